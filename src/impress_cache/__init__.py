@@ -1,0 +1,37 @@
+"""impress_cache: a disk-backed prefix KV cache for Hugging Face models (IMPRESS, FAST 2025).
+
+>>> from impress_cache import ImpressConfig, ImpressStore, ImpressCache
+"""
+
+from __future__ import annotations
+
+from .cache import ImpressCache
+from .config import ImpressConfig
+from .errors import (
+    CacheUsageError,
+    ConfigError,
+    CorruptBlockError,
+    ImpressError,
+    ModelMismatchError,
+    UnsupportedModelError,
+)
+from .model_info import SUPPORTED_MODEL_TYPES
+from .stats import RequestStats
+from .store import ImpressStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheUsageError",
+    "ConfigError",
+    "CorruptBlockError",
+    "ImpressCache",
+    "ImpressConfig",
+    "ImpressError",
+    "ImpressStore",
+    "ModelMismatchError",
+    "RequestStats",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "__version__",
+]

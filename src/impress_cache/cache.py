@@ -1,0 +1,310 @@
+"""ImpressCache: one request's view of an :class:`~impress_cache.ImpressStore`.
+
+This module is the only one that knows how ``transformers`` drives a cache:
+
+* ``generate`` computes only ``input_ids.shape[1] - cache.get_seq_length()`` tokens, so
+  before the first forward every layer reports the reused prefix length;
+* on its first ``update`` a layer puts the stored prefix rows in front of the new ones;
+* once the last layer has seen the whole prompt, the prompt's K/V go to the store's
+  background writer;
+* a forward pre-hook on the model checks that the tokens ``generate`` runs are the ones
+  the cache was built for, so stale K/V is never served.
+
+Left padding: each row reuses the same number of columns ``C`` (the cache holds one
+sequence length), ``C = min_i(pad_i + match_i)``; padding columns hold zeros, which the
+attention mask hides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .errors import CacheUsageError, CorruptBlockError
+from .radix import Match, Segment
+from .stats import RequestStats, RowStats
+from .store import ImpressStore
+
+log = logging.getLogger(__name__)
+
+_MAX_QUARANTINE_RETRIES = 8
+
+
+class ImpressLayer(DynamicLayer):
+    """A dynamic cache layer that starts with stored prefix rows."""
+
+    def __init__(self, prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None, prefix_len: int) -> None:
+        super().__init__()
+        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = (
+            (prefix_keys, prefix_values) if prefix_keys is not None and prefix_len > 0 else None
+        )
+        self._prefix_len = prefix_len
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self._prefix is not None:
+            k, v = self._prefix
+            self.keys = k.to(self.device, self.dtype)
+            self.values = v.to(self.device, self.dtype)
+        self._prefix = None
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return self._prefix_len
+        return super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.get_seq_length() + tokens_to_remove < self._prefix_len:
+            raise CacheUsageError("crop() would cut into the reused prefix; ImpressCache does not support that")
+        super().crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._prefix is not None:
+            k, v = self._prefix
+            self._prefix = (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
+        if self.is_initialized:
+            super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._prefix is not None:
+            k, v = self._prefix
+            self._prefix = (k[indices], v[indices])
+        if self.is_initialized:
+            super().batch_select_indices(indices)
+
+
+class ImpressCache(Cache):
+    """A ``transformers`` cache that reuses the longest stored prefix of each prompt.
+
+    Parameters
+    ----------
+    store:
+        The :class:`~impress_cache.ImpressStore` to read from and write to.
+    input_ids:
+        The full prompt, ``[batch, seq]`` integer tensor, exactly as passed to
+        ``generate``. Each row reuses at most ``seq - 1`` stored tokens.
+    attention_mask:
+        The mask passed to ``generate`` (left padding only). Required when the batch
+        is padded.
+    store_prompt:
+        Write the prompt's K/V to the store once it has been computed.
+
+    One cache serves one request: build a new one for every ``generate`` call.
+    """
+
+    def __init__(
+        self,
+        store: ImpressStore,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        store_prompt: bool = True,
+    ) -> None:
+        if not isinstance(store, ImpressStore):
+            raise TypeError(f"store must be an ImpressStore, got {type(store).__name__}")
+        ids, mask = _check_inputs(input_ids, attention_mask, store.spec.vocab_size)
+        self.store = store
+        self.store_prompt = store_prompt
+        self.stats = RequestStats()
+        self._ids = ids
+        self._mask = mask
+        self._state = "ready"
+        self._consumed = 0
+        self._written = False
+        t0 = time.perf_counter()
+        reused, prefix_k, prefix_v = self._load_prefix()
+        self.stats.load_seconds = time.perf_counter() - t0
+        self._reused = reused
+        n_layers = store.spec.num_layers
+        layers = [
+            ImpressLayer(
+                None if prefix_k is None else prefix_k[i],
+                None if prefix_v is None else prefix_v[i],
+                reused,
+            )
+            for i in range(n_layers)
+        ]
+        super().__init__(layers=layers)
+        _install_hook(store.model)
+
+    # -- reading the prefix -----------------------------------------------------------
+    def _load_prefix(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        store, spec = self.store, self.store.spec
+        batch, seq = self._ids.shape
+        pads = (seq - self._mask.sum(dim=1)).tolist()
+        rows = [self._ids[i, pads[i]:].tolist() for i in range(batch)]
+        for _ in range(_MAX_QUARANTINE_RETRIES):
+            matches = [store.match(toks, limit=len(toks) - 1) for toks in rows]
+            reused = min(p + m.length for p, m in zip(pads, matches))
+            self.stats = RequestStats(quarantined_files=self.stats.quarantined_files)
+            self.stats.reused_columns = reused
+            for i, (toks, m) in enumerate(zip(rows, matches)):
+                used = max(0, reused - pads[i])
+                self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
+            self.stats.matched_tokens = sum(r.matched_tokens for r in self.stats.rows)
+            self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
+            if reused == 0:
+                return 0, None, None
+            shape = (spec.num_layers, batch, spec.num_kv_heads, reused, spec.head_dim)
+            keys = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+            values = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+            try:
+                for i, m in enumerate(matches):
+                    used = reused - pads[i]
+                    if used <= 0:
+                        continue
+                    loaded = store.load(_cut(m, used))
+                    keys[:, i, :, pads[i]:] = loaded.keys
+                    values[:, i, :, pads[i]:] = loaded.values
+                    self.stats.bytes_read_disk += loaded.bytes_read
+                    self.stats.blocks_read += loaded.blocks_read
+            except CorruptBlockError as exc:
+                store.quarantine(exc.file_id, str(exc))
+                self.stats.quarantined_files += 1
+                continue
+            return reused, keys, values
+        raise CacheUsageError("too many damaged chunk files while loading a prefix; see the log")
+
+    # -- transformers hooks ------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if (
+            not self._written
+            and layer_idx == len(self.layers) - 1
+            and keys.shape[-2] >= self._ids.shape[1]
+        ):
+            self._written = True
+            if self.store_prompt:
+                self._store_prompt()
+        return keys, values
+
+    def _store_prompt(self) -> None:
+        seq = self._ids.shape[1]
+        pads = (seq - self._mask.sum(dim=1)).tolist()
+        seen: set[tuple[int, ...]] = set()
+        for i in range(self._ids.shape[0]):
+            toks = tuple(self._ids[i, pads[i]:].tolist())
+            if toks in seen:
+                continue
+            seen.add(toks)
+            keys = [layer.keys[i, :, pads[i]:seq] for layer in self.layers]
+            values = [layer.values[i, :, pads[i]:seq] for layer in self.layers]
+            self.store.put_async(toks, keys, values)
+            self.stats.stored_prompts += 1
+
+    def check_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        """Called before every model forward that uses this cache (see ``_install_hook``)."""
+        if input_ids is None:
+            raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
+        batch = self._ids.shape[0]
+        if input_ids.shape[0] != batch:
+            if self._state != "ready" or input_ids.shape[0] % batch:
+                raise CacheUsageError(
+                    f"this cache was built for a batch of {batch} rows, the model got {input_ids.shape[0]}"
+                )
+            self.expand(input_ids.shape[0] // batch)
+        seq = self._ids.shape[1]
+        q = input_ids.shape[1]
+        if self._state == "decoding":
+            if q != 1:
+                raise CacheUsageError(
+                    "this ImpressCache already served a request; build a new ImpressCache for every "
+                    "generate call (multi-token steps such as assisted decoding are not supported either)"
+                )
+            return
+        start = self._reused if self._state == "ready" else self._consumed
+        expected = self._ids[:, start : start + q]
+        if q > seq - start or not torch.equal(input_ids.to(expected.device), expected):
+            raise CacheUsageError(
+                "the input_ids given to the model differ from those this ImpressCache was built for; "
+                "pass the same input_ids to ImpressCache(...) and generate(...), and build a new cache per request"
+            )
+        if attention_mask is not None:
+            m = attention_mask[:, : self._reused].to(self._mask.device).bool()
+            if m.shape != (self._ids.shape[0], self._reused) or not torch.equal(m, self._mask[:, : self._reused]):
+                raise CacheUsageError(
+                    "the attention_mask given to generate differs from the one ImpressCache was built with; "
+                    "pass the same attention_mask to ImpressCache(store, input_ids, attention_mask=...)"
+                )
+        self._consumed = start + q
+        self._state = "prefill" if self._consumed < seq else "decoding"
+
+    def expand(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
+        self.batch_repeat_interleave(repeats)
+        self._ids = self._ids.repeat_interleave(repeats, 0)
+        self._mask = self._mask.repeat_interleave(repeats, 0)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Columns of the prompt served from the store (the same for every row)."""
+        return self._reused
+
+
+def _cut(match: Match, n: int) -> list[Segment]:
+    out: list[Segment] = []
+    for seg in match.segments:
+        if n <= 0:
+            break
+        take = min(seg.length, n)
+        out.append(Segment(seg.node, take))
+        n -= take
+    return out
+
+
+def _check_inputs(
+    input_ids: Any, attention_mask: Any, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(input_ids, torch.Tensor):
+        raise CacheUsageError(
+            f"input_ids must be a torch.Tensor of token ids of shape [batch, seq], got {type(input_ids).__name__}"
+        )
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise CacheUsageError(f"input_ids must have shape [batch, seq] with batch, seq >= 1, got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise CacheUsageError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    ids = input_ids.detach().to("cpu", torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise CacheUsageError(f"input_ids must be token ids in [0, {vocab_size}), got values up to {int(ids.max())}")
+    if attention_mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(ids.shape):
+            raise CacheUsageError(
+                f"attention_mask must be a tensor of the same shape as input_ids {tuple(ids.shape)}, "
+                f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+            )
+        mask = attention_mask.detach().to("cpu").bool()
+        lengths = mask.sum(dim=1)
+        seq = ids.shape[1]
+        left_padded = torch.arange(seq).unsqueeze(0) >= (seq - lengths).unsqueeze(1)
+        if not torch.equal(mask, left_padded) or int(lengths.min()) < 1:
+            raise CacheUsageError(
+                "attention_mask must be left padding only (zeros then ones, at least one token per row); "
+                "set tokenizer.padding_side = 'left'"
+            )
+    return ids, mask
+
+
+_hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _install_hook(model: torch.nn.Module) -> None:
+    """Register (once per model) a forward pre-hook that validates ImpressCache inputs."""
+    if model in _hooked:
+        return
+
+    def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, ImpressCache):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            cache.check_forward(ids, kwargs.get("attention_mask"))
+
+    model.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    _hooked.add(model)

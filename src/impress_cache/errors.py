@@ -1,0 +1,31 @@
+"""Exceptions raised by impress_cache. All derive from :class:`ImpressError`."""
+
+from __future__ import annotations
+
+
+class ImpressError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(ImpressError, ValueError):
+    """A configuration value is out of range or of the wrong type."""
+
+
+class ModelMismatchError(ImpressError, ValueError):
+    """A store was opened with a model other than the one it was built for."""
+
+
+class UnsupportedModelError(ImpressError, ValueError):
+    """The model's architecture is not one this library knows how to serve."""
+
+
+class CacheUsageError(ImpressError, ValueError):
+    """An :class:`~impress_cache.ImpressCache` was used in a way it does not support."""
+
+
+class CorruptBlockError(ImpressError, IOError):
+    """A stored block is missing, truncated or fails its checksum."""
+
+    def __init__(self, message: str, file_id: int) -> None:
+        super().__init__(message)
+        self.file_id = file_id

@@ -1,0 +1,886 @@
+"""Important-KV identification with probe heads (IMPRESS section 1).
+
+This module holds the pure tensor logic of the "identify" step of IMPRESS:
+
+* :func:`attention_column_scores` scores every prefix token with the queries of the
+  new tokens (H2O-style column sums of the softmax attention probabilities);
+* :func:`topk_indices`, :func:`mean_pairwise_jaccard`, :func:`expected_random_jaccard`
+  and :func:`similarity_threshold` decide whether the probe heads agree;
+* :func:`vote` and :func:`block_select` build one shared set of prefix rows per batch
+  row (token mode and whole-block mode);
+* :func:`select_layer` combines the above for one layer, including the per-head
+  fallback when the probe heads disagree;
+* :func:`choose_probe_heads` picks probe query heads from different KV groups;
+* :func:`sparse_prefix_attention_reference` is a slow, exact reference of attention
+  restricted to selected prefix rows, used by tests.
+
+Everything here is I/O free and works on CPU or GPU tensors alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LayerSelection",
+    "attention_column_scores",
+    "block_select",
+    "blocks_of",
+    "choose_probe_heads",
+    "expected_random_jaccard",
+    "mean_pairwise_jaccard",
+    "select_layer",
+    "similarity_threshold",
+    "sparse_prefix_attention_reference",
+    "topk_indices",
+    "vote",
+]
+
+#: Upper bound on the number of float32 logits materialised per query-row chunk by
+#: :func:`attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
+DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
+
+_VALID_MODES = ("token", "block")
+
+
+# ---------------------------------------------------------------------------
+# small private helpers
+# ---------------------------------------------------------------------------
+
+
+def _check_k(k: int, P: int, what: str = "k") -> None:
+    """Validate ``1 <= k <= P`` for an integer ``k``."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ValueError(f"{what} must be an int, got {type(k).__name__}")
+    if k < 1:
+        raise ValueError(f"{what} must be >= 1, got {k}")
+    if k > P:
+        raise ValueError(f"{what}={k} exceeds the number of prefix tokens P={P}")
+
+
+def _rank_descending(primary: Tensor, secondary: Optional[Tensor] = None) -> Tensor:
+    """Return the permutation ranking the last dim by descending keys.
+
+    Order is: ``primary`` descending, then ``secondary`` descending (if given), then
+    lower index first.  Implemented with two stable sorts, which is exact (no mixing
+    of keys into one float) and deterministic.
+    """
+    if secondary is None:
+        return torch.sort(primary, dim=-1, descending=True, stable=True).indices
+    # Sort by the least significant key first, then stably by the more significant one.
+    order = torch.sort(secondary, dim=-1, descending=True, stable=True).indices
+    prim_in_order = torch.gather(primary, -1, order)
+    order2 = torch.sort(prim_in_order, dim=-1, descending=True, stable=True).indices
+    return torch.gather(order, -1, order2)
+
+
+def _sanitize_scores(scores: Tensor) -> Tensor:
+    """Return float scores where NaN is replaced by ``-inf`` (never preferred)."""
+    if not scores.is_floating_point():
+        scores = scores.to(torch.float32)
+    if torch.isnan(scores).any():
+        scores = torch.nan_to_num(scores, nan=float("-inf"))
+    return scores
+
+
+def _normalise_heads(scores: Tensor) -> Tensor:
+    """Divide each head's scores by the sum of their absolute values.
+
+    Heads whose scores sum to zero are mapped to all zeros (no division by zero).
+    For the non-negative attention scores of this module, the absolute sum is the
+    plain sum.
+    """
+    s = scores.to(torch.float64)
+    s = torch.nan_to_num(s, nan=0.0, posinf=0.0, neginf=0.0)
+    denom = s.abs().sum(dim=-1, keepdim=True)
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.where(denom > 0, s / safe, torch.zeros_like(s))
+
+
+# ---------------------------------------------------------------------------
+# 1. attention column scores
+# ---------------------------------------------------------------------------
+
+
+def attention_column_scores(
+    queries: Tensor,
+    prefix_keys: Tensor,
+    new_keys: Optional[Tensor] = None,
+    scaling: Optional[float] = None,
+    *,
+    query_mask: Optional[Tensor] = None,
+    prefix_mask: Optional[Tensor] = None,
+    chunk_rows: Optional[int] = None,
+) -> Tensor:
+    """H2O-style importance of every prefix token, per query head.
+
+    For each query row ``i`` of the new tokens, the real attention distribution is a
+    softmax over all ``P`` prefix keys and the new keys ``0..i`` (causal).  The score of
+    prefix token ``p`` is the sum over all valid query rows of the probability mass
+    that row puts on ``p``.
+
+    Parameters
+    ----------
+    queries : Tensor
+        ``[B, Hq, n, D]`` post-RoPE queries of the ``n`` new tokens.
+    prefix_keys : Tensor
+        ``[B, Hk, P, D]`` post-RoPE keys of the stored prefix.  Normally ``Hk == Hq``
+        (the caller already picked the KV head of each query head).  As a convenience
+        ``Hq`` may also be a multiple of ``Hk``; query head ``h`` then uses KV head
+        ``h // (Hq // Hk)`` (the Hugging Face grouped-query convention).
+    new_keys : Tensor, optional
+        ``[B, Hk, n, D]`` keys of the new tokens.  Query ``i`` attends to new keys
+        ``0..i``.  If omitted, the softmax is over the prefix keys only.
+    scaling : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+    query_mask : Tensor, optional
+        ``[B, n]`` bool, ``False`` marks a padding new token.  Its query row is
+        excluded from the sums *and* its key (if ``new_keys`` is given) is masked out
+        for the other rows, as a padding token is neither a query nor a key.
+    prefix_mask : Tensor, optional
+        ``[B, P]`` bool, ``False`` marks a padding prefix column: it gets zero
+        probability (and thus a zero score).
+    chunk_rows : int, optional
+        Number of query rows processed at once.  By default it is chosen so that at
+        most about :data:`DEFAULT_CHUNK_ELEMENTS` logits exist at a time.
+
+    Returns
+    -------
+    Tensor
+        ``[B, Hq, P]`` float32 column sums.  Each valid query row contributes at most
+        1 in total (less when it also attends to new tokens).  A row with no visible
+        key at all contributes nothing.
+
+    Raises
+    ------
+    ValueError
+        On inconsistent shapes or invalid arguments.
+    """
+    if queries.dim() != 4 or prefix_keys.dim() != 4:
+        raise ValueError(
+            "queries and prefix_keys must be 4-D [B, H, T, D], got "
+            f"{tuple(queries.shape)} and {tuple(prefix_keys.shape)}"
+        )
+    B, Hq, n, D = queries.shape
+    Bk, Hk, P, Dk = prefix_keys.shape
+    if Bk != B or Dk != D:
+        raise ValueError(
+            f"prefix_keys {tuple(prefix_keys.shape)} does not match queries "
+            f"{tuple(queries.shape)} in batch or head_dim"
+        )
+    if Hk < 1 or Hq % Hk != 0:
+        raise ValueError(f"query heads Hq={Hq} must be a multiple of key heads Hk={Hk}")
+    if new_keys is not None and tuple(new_keys.shape) != (B, Hk, n, D):
+        raise ValueError(
+            f"new_keys must have shape {(B, Hk, n, D)}, got {tuple(new_keys.shape)}"
+        )
+    if query_mask is not None and tuple(query_mask.shape) != (B, n):
+        raise ValueError(f"query_mask must have shape {(B, n)}, got {tuple(query_mask.shape)}")
+    if prefix_mask is not None and tuple(prefix_mask.shape) != (B, P):
+        raise ValueError(
+            f"prefix_mask must have shape {(B, P)}, got {tuple(prefix_mask.shape)}"
+        )
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(D) if D > 0 else 1.0
+
+    device = queries.device
+    out = torch.zeros(B, Hq, P, dtype=torch.float32, device=device)
+    if n == 0 or P == 0:
+        return out
+
+    group = Hq // Hk
+    q = queries.to(torch.float32)
+    kp = prefix_keys.to(torch.float32)
+    kn = new_keys.to(torch.float32) if new_keys is not None else None
+    if group > 1:
+        kp = kp.repeat_interleave(group, dim=1)
+        if kn is not None:
+            kn = kn.repeat_interleave(group, dim=1)
+    # Fold the scale into the keys once instead of into every logit chunk.
+    kp_t = (kp * scaling).transpose(-1, -2)  # [B, Hq, D, P]
+    kn_t = (kn * scaling).transpose(-1, -2) if kn is not None else None  # [B, Hq, D, n]
+
+    neg_inf = float("-inf")
+    prefix_bias: Optional[Tensor] = None
+    if prefix_mask is not None:
+        pm = prefix_mask.to(device=device, dtype=torch.bool)
+        prefix_bias = torch.zeros(B, 1, 1, P, dtype=torch.float32, device=device)
+        prefix_bias.masked_fill_(~pm[:, None, None, :], neg_inf)
+    qm: Optional[Tensor] = None
+    newkey_bias: Optional[Tensor] = None
+    if query_mask is not None:
+        qm = query_mask.to(device=device, dtype=torch.bool)
+        if kn_t is not None:
+            newkey_bias = torch.zeros(B, 1, 1, n, dtype=torch.float32, device=device)
+            newkey_bias.masked_fill_(~qm[:, None, None, :], neg_inf)
+
+    if chunk_rows is None:
+        per_row = max(1, B * Hq * (P + (n if kn_t is not None else 0)))
+        chunk_rows = max(1, DEFAULT_CHUNK_ELEMENTS // per_row)
+    chunk_rows = min(chunk_rows, n)
+
+    positions = torch.arange(n, device=device)
+    for start in range(0, n, chunk_rows):
+        stop = min(start + chunk_rows, n)
+        qc = q[:, :, start:stop, :]  # [B, Hq, c, D]
+        logits_p = torch.matmul(qc, kp_t)  # [B, Hq, c, P]
+        if prefix_bias is not None:
+            logits_p = logits_p + prefix_bias
+        lse = torch.logsumexp(logits_p, dim=-1)  # [B, Hq, c]
+        if kn_t is not None:
+            # Rows start..stop-1 can only see new keys 0..stop-1.
+            logits_n = torch.matmul(qc, kn_t[..., :stop])  # [B, Hq, c, stop]
+            causal = positions[None, :stop] > positions[start:stop, None]  # [c, stop]
+            logits_n = logits_n.masked_fill(causal, neg_inf)
+            if newkey_bias is not None:
+                logits_n = logits_n + newkey_bias[..., :stop]
+            lse = torch.logaddexp(lse, torch.logsumexp(logits_n, dim=-1))
+            del logits_n
+        # Rows that see no key at all have lse = -inf; make them contribute zero.
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp(logits_p - lse.unsqueeze(-1))  # [B, Hq, c, P]
+        if qm is not None:
+            w = qm[:, start:stop].to(torch.float32)[:, None, :, None]  # [B, 1, c, 1]
+            probs = probs * w
+        out += probs.sum(dim=2)
+        del probs, logits_p
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2. top-k
+# ---------------------------------------------------------------------------
+
+
+def topk_indices(scores: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` highest scores along the last dimension.
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[..., P]`` scores, typically ``[B, H, P]``.  NaN counts as ``-inf``.
+    k : int
+        Number of indices to keep, ``1 <= k <= P``.
+
+    Returns
+    -------
+    Tensor
+        ``[..., k]`` int64 indices, sorted ascending.  Ties are broken by the lower
+        index, so the result is deterministic.
+
+    Raises
+    ------
+    ValueError
+        If ``scores`` has no dimension or ``k`` is out of range.
+    """
+    if scores.dim() < 1:
+        raise ValueError("scores must have at least one dimension")
+    _check_k(k, scores.shape[-1])
+    order = _rank_descending(_sanitize_scores(scores))
+    return torch.sort(order[..., :k], dim=-1).values
+
+
+# ---------------------------------------------------------------------------
+# 3. similarity and threshold
+# ---------------------------------------------------------------------------
+
+
+def expected_random_jaccard(k: int, P: int) -> float:
+    """Expected Jaccard similarity of two random ``k``-of-``P`` index sets.
+
+    Uses the paper's formula ``j = r / (2 - r)`` with ``r = k / P`` (ratio of the
+    expected intersection ``k^2/P`` to the expected union ``2k - k^2/P``).
+
+    Parameters
+    ----------
+    k : int
+        Set size, ``0 <= k <= P``.
+    P : int
+        Universe size, ``P >= 1``.
+
+    Returns
+    -------
+    float
+        The expected Jaccard ``j`` in ``[0, 1]``.
+
+    Raises
+    ------
+    ValueError
+        If ``P < 1`` or ``k`` is outside ``[0, P]``.
+    """
+    if P < 1:
+        raise ValueError(f"P must be >= 1, got {P}")
+    if k < 0 or k > P:
+        raise ValueError(f"k must be in [0, P={P}], got {k}")
+    r = k / P
+    return r / (2.0 - r)
+
+
+def similarity_threshold(k: int, P: int, alpha: float = 0.6) -> float:
+    """Similarity threshold ``t = j ** alpha`` of IMPRESS.
+
+    Parameters
+    ----------
+    k : int
+        Number of selected tokens per head.
+    P : int
+        Number of prefix tokens.
+    alpha : float, default 0.6
+        Exponent, ``alpha > 0``; smaller values give a stricter (higher) threshold.
+
+    Returns
+    -------
+    float
+        Threshold in ``[0, 1]``; about 0.517 for ``k / P = 0.5`` and ``alpha = 0.6``.
+
+    Raises
+    ------
+    ValueError
+        If ``alpha <= 0`` or ``k``/``P`` are invalid.
+    """
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    return expected_random_jaccard(k, P) ** alpha
+
+
+def mean_pairwise_jaccard(index_sets: Tensor) -> Tensor:
+    """Mean Jaccard similarity over all head pairs.
+
+    Parameters
+    ----------
+    index_sets : Tensor
+        ``[B, H, k]`` non-negative integer indices; each ``[b, h]`` row is one set
+        (duplicates inside a row are counted once).
+
+    Returns
+    -------
+    Tensor
+        ``[B]`` float32, mean of ``|A & B| / |A | B|`` over the ``H (H - 1) / 2``
+        pairs of heads.  ``1.0`` when ``H == 1``.  Two empty sets have similarity 1.
+
+    Raises
+    ------
+    ValueError
+        On a wrong rank, non-integer dtype or negative indices.
+    """
+    if index_sets.dim() != 3:
+        raise ValueError(f"index_sets must be [B, H, k], got {tuple(index_sets.shape)}")
+    if index_sets.is_floating_point() or index_sets.dtype == torch.bool:
+        raise ValueError("index_sets must hold integer indices")
+    B, H, k = index_sets.shape
+    device = index_sets.device
+    if H <= 1 or B == 0:
+        return torch.ones(B, dtype=torch.float32, device=device)
+    if k == 0:
+        return torch.ones(B, dtype=torch.float32, device=device)
+    idx = index_sets.to(torch.int64)
+    if (idx < 0).any():
+        raise ValueError("index_sets must be non-negative")
+    universe = int(idx.max().item()) + 1
+    member = torch.zeros(B, H, universe, dtype=torch.float64, device=device)
+    member.scatter_(-1, idx, 1.0)
+    inter = torch.matmul(member, member.transpose(-1, -2))  # [B, H, H]
+    sizes = torch.diagonal(inter, dim1=-2, dim2=-1)  # [B, H]
+    union = sizes[:, :, None] + sizes[:, None, :] - inter
+    jac = torch.where(union > 0, inter / union.clamp_min(1.0), torch.ones_like(inter))
+    iu = torch.triu_indices(H, H, offset=1, device=device)
+    pair_vals = jac[:, iu[0], iu[1]]  # [B, H(H-1)/2]
+    return pair_vals.mean(dim=-1).to(torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# 4. voting
+# ---------------------------------------------------------------------------
+
+
+def vote(scores: Tensor, k: int) -> Tensor:
+    """One shared index set per batch row from several probe heads.
+
+    Every head's top-``k`` gives one vote to each of its indices.  The ``k`` indices
+    with the most votes are kept; ties are broken by the sum over heads of the
+    normalised scores (each head's scores divided by their sum), then by lower index.
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[B, H, P]`` per-head importance scores (expected non-negative; heads are
+        normalised by the sum of absolute values, a head summing to 0 adds nothing to
+        the tie-break).
+    k : int
+        Number of indices to select, ``1 <= k <= P``.
+
+    Returns
+    -------
+    Tensor
+        ``[B, k]`` int64 indices sorted ascending.
+
+    Raises
+    ------
+    ValueError
+        On a wrong rank or an invalid ``k``.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, H, P], got {tuple(scores.shape)}")
+    B, H, P = scores.shape
+    if H < 1:
+        raise ValueError("scores must contain at least one head")
+    _check_k(k, P)
+    per_head = topk_indices(scores, k)  # [B, H, k]
+    votes = torch.zeros(B, P, dtype=torch.int64, device=scores.device)
+    flat = per_head.reshape(B, H * k)
+    votes.scatter_add_(-1, flat, torch.ones_like(flat))
+    tie = _normalise_heads(scores).sum(dim=1)  # [B, P] float64
+    order = _rank_descending(votes, tie)
+    return torch.sort(order[:, :k], dim=-1).values
+
+
+# ---------------------------------------------------------------------------
+# 5. block selection
+# ---------------------------------------------------------------------------
+
+
+def block_select(
+    scores: Tensor,
+    k: int,
+    block_tokens: int,
+    n_tokens: Optional[int] = None,
+) -> list[Tensor]:
+    """Select whole blocks (chunks) of prefix rows covering at least ``k`` rows.
+
+    Blocks are consecutive runs of ``block_tokens`` rows starting at row 0 (the last
+    block may be partial).  Blocks are ranked by the sum of their rows' scores (ties:
+    lower block index first) and taken in that order until at least ``k`` rows are
+    covered.
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[B, P]`` per-row scores, already aggregated over heads (e.g. the sum of the
+        normalised probe-head scores).  NaN counts as 0.
+    k : int
+        Minimum number of rows to cover, ``1 <= k <= n_tokens``.
+    block_tokens : int
+        Rows per block, ``>= 1``.
+    n_tokens : int, optional
+        Number of valid prefix rows (``<= P``); rows ``>= n_tokens`` are padding and
+        never selected, and the last block ends at ``n_tokens``.  Default ``P``.
+
+    Returns
+    -------
+    list of Tensor
+        One 1-D int64 tensor per batch row with all rows of the chosen blocks, sorted
+        ascending.  Lengths may differ between batch rows (always ``>= k``).
+
+    Raises
+    ------
+    ValueError
+        On a wrong rank or invalid ``k``, ``block_tokens`` or ``n_tokens``.
+    """
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [B, P], got {tuple(scores.shape)}")
+    B, P = scores.shape
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+    if n_tokens is None:
+        n_tokens = P
+    if n_tokens < 1 or n_tokens > P:
+        raise ValueError(f"n_tokens must be in [1, P={P}], got {n_tokens}")
+    _check_k(k, n_tokens)
+    device = scores.device
+
+    n_blocks = -(-n_tokens // block_tokens)
+    s = torch.nan_to_num(scores[:, :n_tokens].to(torch.float64), nan=0.0)
+    pad = n_blocks * block_tokens - n_tokens
+    if pad:
+        s = torch.nn.functional.pad(s, (0, pad), value=0.0)
+    block_sums = s.reshape(B, n_blocks, block_tokens).sum(dim=-1)  # [B, nb]
+    sizes = torch.full((n_blocks,), block_tokens, dtype=torch.int64, device=device)
+    sizes[-1] = n_tokens - (n_blocks - 1) * block_tokens
+
+    order = _rank_descending(block_sums)  # [B, nb]
+    covered = torch.cumsum(sizes[order], dim=-1)  # [B, nb]
+    # Number of blocks needed: first position where coverage reaches k, plus one.
+    n_take = (covered < k).sum(dim=-1) + 1  # [B]
+
+    result: list[Tensor] = []
+    for b in range(B):
+        chosen = torch.sort(order[b, : int(n_take[b])]).values
+        starts = chosen * block_tokens
+        rows = (starts[:, None] + torch.arange(block_tokens, device=device)[None, :]).reshape(-1)
+        rows = rows[rows < n_tokens]
+        result.append(rows)
+    return result
+
+
+def blocks_of(indices: Union[Tensor, Sequence[int]], block_tokens: int) -> Tensor:
+    """Sorted unique block ids touched by a set of row indices.
+
+    Parameters
+    ----------
+    indices : Tensor or sequence of int
+        Row indices of any shape (flattened).
+    block_tokens : int
+        Rows per block, ``>= 1``.
+
+    Returns
+    -------
+    Tensor
+        1-D int64 tensor of sorted unique ``index // block_tokens`` values.
+
+    Raises
+    ------
+    ValueError
+        If ``block_tokens < 1`` or an index is negative.
+    """
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+    idx = torch.as_tensor(indices).reshape(-1).to(torch.int64)
+    if idx.numel() and (idx < 0).any():
+        raise ValueError("indices must be non-negative")
+    return torch.unique(torch.div(idx, block_tokens, rounding_mode="floor"), sorted=True)
+
+
+# ---------------------------------------------------------------------------
+# 6. per-layer selection
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class LayerSelection:
+    """Outcome of the importance selection of one layer.
+
+    Attributes
+    ----------
+    indices : list of Tensor or None
+        When the probe heads agreed: one sorted 1-D int64 tensor of selected prefix
+        rows per batch row, shared by every head of the layer.  ``None`` on fallback.
+    per_head_indices : Tensor or None
+        On fallback: ``[B, Hkv, k]`` sorted per-KV-head top-``k`` indices.  ``None``
+        when the shared set is used.
+    similarity : float
+        Mean pairwise Jaccard of the probe heads' top-``k`` sets, averaged over the
+        batch.
+    threshold : float
+        Threshold the similarity was compared with.
+    fell_back : bool
+        ``True`` when the layer used per-head selection.
+    """
+
+    indices: Optional[list[Tensor]]
+    per_head_indices: Optional[Tensor]
+    similarity: float
+    threshold: float
+    fell_back: bool
+
+
+def select_layer(
+    probe_scores: Tensor,
+    k: int,
+    threshold: float,
+    full_scores_fn: Optional[Callable[[], Tensor]] = None,
+    mode: str = "token",
+    block_tokens: int = 64,
+) -> LayerSelection:
+    """Decide which prefix rows one layer loads.
+
+    The probe heads' top-``k`` sets are compared (mean pairwise Jaccard, averaged over
+    the batch; one decision for the whole batch).  If the similarity reaches
+    ``threshold``, one shared set per batch row is built: by :func:`vote` in
+    ``"token"`` mode, or by :func:`block_select` over the sum of the normalised probe
+    scores in ``"block"`` mode (covering at least ``k`` rows with whole blocks).
+    Otherwise the layer falls back: ``full_scores_fn()`` is called once to get scores
+    for every KV head and each KV head keeps its own top-``k``.  In ``"block"`` mode
+    the fallback is also per-head token top-``k``: per-head sets differ, so whole-block
+    sharing does not apply.
+
+    Parameters
+    ----------
+    probe_scores : Tensor
+        ``[B, Hp, P]`` scores of the probe heads (e.g. from
+        :func:`attention_column_scores`).
+    k : int
+        Rows to keep per head, ``1 <= k <= P``.
+    threshold : float
+        Similarity threshold, e.g. from :func:`similarity_threshold`.
+    full_scores_fn : callable, optional
+        Zero-argument function returning ``[B, Hkv, P]`` scores of all KV heads.  Only
+        called on fallback; required then.
+    mode : {"token", "block"}, default "token"
+        Shared-set construction.
+    block_tokens : int, default 64
+        Block size for ``"block"`` mode.
+
+    Returns
+    -------
+    LayerSelection
+        The selection and the statistics behind it.
+
+    Raises
+    ------
+    ValueError
+        On bad shapes, ``k`` outside ``[1, P]``, an unknown mode, a bad
+        ``block_tokens``, a missing ``full_scores_fn`` when the layer falls back, or a
+        ``full_scores_fn`` result of the wrong shape.
+    """
+    if mode not in _VALID_MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {_VALID_MODES}")
+    if probe_scores.dim() != 3:
+        raise ValueError(f"probe_scores must be [B, Hp, P], got {tuple(probe_scores.shape)}")
+    B, Hp, P = probe_scores.shape
+    if B < 1 or Hp < 1:
+        raise ValueError(
+            "probe_scores needs at least one batch row and one head, got "
+            f"{tuple(probe_scores.shape)}"
+        )
+    _check_k(k, P)
+    if mode == "block" and (
+        isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1
+    ):
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+    threshold = float(threshold)
+
+    per_head = topk_indices(probe_scores, k)
+    similarity = float(mean_pairwise_jaccard(per_head).mean().item())
+
+    if similarity >= threshold:
+        if mode == "token":
+            shared = vote(probe_scores, k)
+            indices = [shared[b] for b in range(B)]
+        else:
+            agg = _normalise_heads(probe_scores).sum(dim=1)
+            indices = block_select(agg, k, block_tokens)
+        logger.debug("shared selection: similarity %.4f >= threshold %.4f", similarity, threshold)
+        return LayerSelection(
+            indices=indices,
+            per_head_indices=None,
+            similarity=similarity,
+            threshold=threshold,
+            fell_back=False,
+        )
+
+    logger.debug("fallback: similarity %.4f < threshold %.4f", similarity, threshold)
+    if full_scores_fn is None:
+        raise ValueError(
+            f"similarity {similarity:.4f} is below threshold {threshold:.4f} but no "
+            "full_scores_fn was given for the per-head fallback"
+        )
+    full = full_scores_fn()
+    if not isinstance(full, Tensor) or full.dim() != 3 or full.shape[0] != B or full.shape[2] != P:
+        shape = tuple(full.shape) if isinstance(full, Tensor) else type(full).__name__
+        raise ValueError(f"full_scores_fn must return [B={B}, Hkv, P={P}] scores, got {shape}")
+    if full.shape[1] < 1:
+        raise ValueError("full_scores_fn returned scores for zero KV heads")
+    return LayerSelection(
+        indices=None,
+        per_head_indices=topk_indices(full, k),
+        similarity=similarity,
+        threshold=threshold,
+        fell_back=True,
+    )
+
+
+# ---------------------------------------------------------------------------
+# 7. reference sparse attention
+# ---------------------------------------------------------------------------
+
+
+def _selection_for_row(
+    selected: Union[Tensor, Sequence[Tensor]], b: int, B: int, H: int
+) -> Tensor:
+    """Return the selection of batch row ``b`` as ``[k]`` or ``[H, k]`` int64."""
+    if isinstance(selected, Tensor):
+        if selected.dim() == 1:
+            sel = selected
+        elif selected.dim() == 2:
+            if selected.shape[0] != B:
+                raise ValueError(f"selected [B, k] must have B={B} rows, got {selected.shape[0]}")
+            sel = selected[b]
+        elif selected.dim() == 3:
+            if selected.shape[0] != B or selected.shape[1] != H:
+                raise ValueError(
+                    f"selected [B, H, k] must have B={B}, H={H}, got {tuple(selected.shape)}"
+                )
+            sel = selected[b]
+        else:
+            raise ValueError(f"selected tensor must be 1-D, 2-D or 3-D, got {selected.dim()}-D")
+    else:
+        if len(selected) != B:
+            raise ValueError(f"selected list must have B={B} entries, got {len(selected)}")
+        sel = torch.as_tensor(selected[b])
+        if sel.dim() not in (1, 2):
+            raise ValueError("each entry of selected must be [k] or [H, k]")
+        if sel.dim() == 2 and sel.shape[0] != H:
+            raise ValueError(f"per-head selection must have H={H} rows, got {sel.shape[0]}")
+    return sel.to(torch.int64)
+
+
+def sparse_prefix_attention_reference(
+    query: Tensor,
+    prefix_keys: Tensor,
+    prefix_values: Tensor,
+    new_keys: Optional[Tensor],
+    new_values: Optional[Tensor],
+    selected: Union[Tensor, Sequence[Tensor]],
+    scaling: Optional[float] = None,
+) -> Tensor:
+    """Exact attention of the new tokens over selected prefix rows plus new tokens.
+
+    Query ``i`` attends to ``prefix_keys[..., selected, :]`` and, causally, to new keys
+    ``0..i``.  Slow and simple; intended as a test oracle.  Computation happens in the
+    dtype of ``query`` (use float64 for tight comparisons).
+
+    Parameters
+    ----------
+    query : Tensor
+        ``[B, H, n, D]`` queries of the new tokens.
+    prefix_keys, prefix_values : Tensor
+        ``[B, H, P, D]`` prefix keys and values (already expanded to ``H`` heads).
+    new_keys, new_values : Tensor or None
+        ``[B, H, n, D]`` keys and values of the new tokens, or both ``None``.
+    selected : Tensor or sequence of Tensor
+        Selected prefix rows (unique indices): a 1-D tensor shared by all batch rows
+        and heads; a ``[B, k]`` tensor (per batch row); a ``[B, H, k]`` tensor (per
+        head, as in :attr:`LayerSelection.per_head_indices`); or a list of ``B``
+        tensors each ``[k_b]`` or ``[H, k_b]`` (as in :attr:`LayerSelection.indices`).
+    scaling : float, optional
+        Logit scale, default ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    Tensor
+        ``[B, H, n, D]`` attention output.
+
+    Raises
+    ------
+    ValueError
+        On inconsistent shapes, out-of-range indices, or a query row that would see
+        no key at all.
+    """
+    if query.dim() != 4:
+        raise ValueError(f"query must be [B, H, n, D], got {tuple(query.shape)}")
+    B, H, n, D = query.shape
+    if prefix_keys.dim() != 4 or prefix_keys.shape[:2] != (B, H) or prefix_keys.shape[3] != D:
+        raise ValueError(
+            f"prefix_keys must be [B={B}, H={H}, P, D={D}], got {tuple(prefix_keys.shape)}"
+        )
+    P = prefix_keys.shape[2]
+    if prefix_values.dim() != 4 or prefix_values.shape[:3] != prefix_keys.shape[:3]:
+        raise ValueError("prefix_values must match prefix_keys in [B, H, P]")
+    if (new_keys is None) != (new_values is None):
+        raise ValueError("new_keys and new_values must both be given or both be None")
+    if new_keys is not None:
+        assert new_values is not None
+        if tuple(new_keys.shape) != (B, H, n, D):
+            raise ValueError(f"new_keys must be {(B, H, n, D)}, got {tuple(new_keys.shape)}")
+        dv = prefix_values.shape[3]
+        if tuple(new_values.shape[:3]) != (B, H, n) or new_values.shape[3] != dv:
+            raise ValueError("new_values must be [B, H, n, Dv] with Dv matching prefix_values")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    dtype = query.dtype
+
+    causal = None
+    if new_keys is not None:
+        pos = torch.arange(n, device=query.device)
+        causal = pos[None, :] > pos[:, None]  # [n, n] True = hidden
+
+    outs = []
+    for b in range(B):
+        sel = _selection_for_row(selected, b, B, H).to(query.device)
+        if sel.numel() and (sel.min() < 0 or sel.max() >= P):
+            raise ValueError(f"selected indices must lie in [0, P={P})")
+        if sel.dim() == 1:
+            k_sel = prefix_keys[b][:, sel, :]
+            v_sel = prefix_values[b][:, sel, :]
+        else:
+            k_sel = torch.gather(prefix_keys[b], 1, sel[:, :, None].expand(-1, -1, D))
+            v_sel = torch.gather(
+                prefix_values[b], 1, sel[:, :, None].expand(-1, -1, prefix_values.shape[3])
+            )
+        q = query[b]
+        logits = [torch.matmul(q, k_sel.to(dtype).transpose(-1, -2)) * scaling]
+        values = [v_sel.to(dtype)]
+        if new_keys is not None and new_values is not None and causal is not None:
+            ln = torch.matmul(q, new_keys[b].to(dtype).transpose(-1, -2)) * scaling
+            logits.append(ln.masked_fill(causal, float("-inf")))
+            values.append(new_values[b].to(dtype))
+        all_logits = torch.cat(logits, dim=-1)
+        if all_logits.shape[-1] == 0 and n > 0:
+            raise ValueError("no key to attend to: empty selection and no new tokens")
+        probs = torch.softmax(all_logits, dim=-1)
+        outs.append(torch.matmul(probs, torch.cat(values, dim=1)))
+    return torch.stack(outs, dim=0)
+
+
+# ---------------------------------------------------------------------------
+# 8. probe heads
+# ---------------------------------------------------------------------------
+
+
+def choose_probe_heads(
+    num_attention_heads: int, num_key_value_heads: int, probe_heads: int = 3
+) -> list[int]:
+    """Pick probe query heads spread over different KV groups.
+
+    With grouped-query attention, query head ``h`` belongs to KV group
+    ``h // (num_attention_heads // num_key_value_heads)``.  Probes are taken from
+    distinct KV groups: the first query head of each of the first ``probe_heads``
+    groups when ``probe_heads <= num_key_value_heads`` (e.g. 9 query / 3 KV heads /
+    3 probes gives ``[0, 3, 6]``; multi-head attention gives the paper's ``[0, 1, 2]``).
+    If more probes than KV groups are asked for, selection continues round-robin with
+    the next query head inside each group.
+
+    Parameters
+    ----------
+    num_attention_heads : int
+        Number of query heads, ``>= 1``.
+    num_key_value_heads : int
+        Number of KV heads, ``>= 1``, dividing ``num_attention_heads``.
+    probe_heads : int, default 3
+        Number of probes, ``1 <= probe_heads <= num_attention_heads``.
+
+    Returns
+    -------
+    list of int
+        Sorted distinct query-head indices.
+
+    Raises
+    ------
+    ValueError
+        On out-of-range or inconsistent arguments.
+    """
+    for name, val in (
+        ("num_attention_heads", num_attention_heads),
+        ("num_key_value_heads", num_key_value_heads),
+        ("probe_heads", probe_heads),
+    ):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise ValueError(f"{name} must be an int, got {val!r}")
+        if val < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    if num_key_value_heads > num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={num_key_value_heads}"
+        )
+    if probe_heads > num_attention_heads:
+        raise ValueError(
+            f"probe_heads={probe_heads} exceeds num_attention_heads={num_attention_heads}"
+        )
+    group = num_attention_heads // num_key_value_heads
+    full_rounds, rem = divmod(probe_heads, num_key_value_heads)
+    heads = [g * group + r for r in range(full_rounds) for g in range(num_key_value_heads)]
+    # The last, partial round uses the first KV groups (for multi-head attention this
+    # gives the paper's "first heads of the layer").
+    heads.extend(g * group + full_rounds for g in range(rem))
+    return sorted(heads)

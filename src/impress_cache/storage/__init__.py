@@ -1,0 +1,27 @@
+"""Chunk-file formats and the block reader they share."""
+
+from __future__ import annotations
+
+from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, iter_blocks
+from .hdf5_format import HDF5Format
+from .reader import BlockReader, ReadRequest
+from .safetensors_format import SafetensorsFormat
+
+#: format name -> class; a new format is one module plus one line here
+FORMATS: dict[str, type[ChunkFormat]] = {
+    "safetensors": SafetensorsFormat,
+    "hdf5": HDF5Format,
+}
+
+__all__ = [
+    "ALIGN",
+    "BlockData",
+    "BlockInfo",
+    "BlockReader",
+    "ChunkFormat",
+    "FORMATS",
+    "HDF5Format",
+    "ReadRequest",
+    "SafetensorsFormat",
+    "iter_blocks",
+]

@@ -1,0 +1,393 @@
+"""ImpressStore: the persistent prefix KV store on disk.
+
+It ties together the SQLite index (:mod:`impress_cache.index`), the radix tree
+(:mod:`impress_cache.radix`) and the chunk-file formats (:mod:`impress_cache.storage`).
+It knows nothing about ``generate``: :class:`~impress_cache.cache.ImpressCache` asks it
+for the longest stored prefix of a prompt, for those rows' K/V, and hands it the K/V of
+new prompts to keep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ImpressConfig
+from .errors import CorruptBlockError
+from .index import FileRecord, Index
+from .model_info import ModelSpec, model_spec
+from .radix import Match, RadixTree, Segment
+from .storage import FORMATS, BlockInfo, BlockReader, ReadRequest, iter_blocks
+from .storage.base import fsync_dir
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.sqlite"
+CHUNK_DIR = "chunks"
+QUARANTINE_DIR = "quarantine"
+
+
+@dataclass
+class _OpenFile:
+    record: FileRecord
+    path: Path
+    blocks: dict[tuple[int, int], BlockInfo]
+
+
+@dataclass
+class StoreCounters:
+    """Totals since the store was opened (or since :meth:`ImpressStore.reset_stats`)."""
+
+    prompts_written: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    bytes_read_disk: int = 0
+    blocks_read: int = 0
+    quarantined_files: int = 0
+    write_seconds: float = 0.0
+
+
+@dataclass
+class LoadedPrefix:
+    """K/V rows of one matched prefix: ``keys[layer]`` is ``[kv_heads, tokens, head_dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bytes_read: int
+    blocks_read: int
+    seconds: float
+    layers: list[int] = field(default_factory=list)
+
+
+class ImpressStore:
+    """A directory of chunk files plus a SQLite index, bound to one model.
+
+    Parameters
+    ----------
+    path:
+        Store directory; created if missing, reopened if it holds a store.
+    model:
+        The Hugging Face causal LM whose K/V the store keeps. Its architecture, KV
+        shape, dtype and a weight fingerprint are recorded; reopening the store with
+        a different model raises :class:`~impress_cache.errors.ModelMismatchError`.
+    config:
+        :class:`~impress_cache.ImpressConfig`; defaults apply when omitted.
+    storage_format:
+        ``"safetensors"`` (default) or ``"hdf5"`` for chunk files written from now on.
+        Files of both formats can live in one store.
+
+    The store is a context manager; :meth:`close` waits for pending writes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        config: ImpressConfig | None = None,
+        storage_format: str = "safetensors",
+    ) -> None:
+        self.config = config if config is not None else ImpressConfig()
+        if not isinstance(self.config, ImpressConfig):
+            raise TypeError(f"config must be an ImpressConfig, got {type(self.config).__name__}")
+        if storage_format not in FORMATS:
+            raise ValueError(f"storage_format must be one of {sorted(FORMATS)}, got {storage_format!r}")
+        self.path = Path(path)
+        self.model = model
+        self.spec: ModelSpec = model_spec(model, self.config.kv_dtype)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CHUNK_DIR).mkdir(exist_ok=True)
+        self._lock = threading.RLock()
+        self.index = Index(self.path / INDEX_NAME)
+        stored = self.index.get_json("model")
+        if stored is None:
+            self.index.set_meta("model", json.dumps(self.spec.to_dict()))
+        else:
+            self.spec.check_same(stored, str(self.path))
+        self._format_name = storage_format
+        self._formats = {cls.suffix: cls(fsync=self.config.fsync) for cls in FORMATS.values()}
+        self._reader = BlockReader(threads=self.config.io_threads)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-write")
+        self._pending: list[Future[None]] = []
+        self._files: dict[int, _OpenFile] = {}
+        self.counters = StoreCounters()
+        self._closed = False
+        self.tree: RadixTree = self.index.load_tree()
+        self._remove_orphans()
+        log.info("opened store %s: %d nodes, %d files", self.path, len(self.tree), len(self.index.files()))
+
+    # -- life cycle ------------------------------------------------------------------
+    def __enter__(self) -> ImpressStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish pending writes and release files. Safe to call twice."""
+        if self._closed:
+            return
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self._reader.close()
+        self.index.close()
+        self._closed = True
+
+    def flush(self) -> None:
+        """Block until every prompt handed to :meth:`put_async` is on disk and indexed."""
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if not pending:
+                return
+            for fut in pending:
+                fut.result()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the store at {self.path} is closed")
+
+    # -- lookups ---------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
+        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens)."""
+        self._check_open()
+        with self._lock:
+            self._refresh()
+            return self.tree.match(tokens, limit)
+
+    def load(self, segments: Sequence[Segment], layers: Sequence[int] | None = None) -> LoadedPrefix:
+        """Read the K/V rows of ``segments`` (a match, possibly cut shorter).
+
+        Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype.
+        Raises :class:`CorruptBlockError` when a block is missing or damaged; the
+        caller quarantines the file (:meth:`quarantine`) and matches again.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        spec = self.spec
+        layers = list(range(spec.num_layers)) if layers is None else list(layers)
+        n = sum(seg.length for seg in segments)
+        shape = (len(layers), spec.num_kv_heads, n, spec.head_dim)
+        keys = torch.empty(shape, dtype=spec.torch_kv_dtype)
+        values = torch.empty(shape, dtype=spec.torch_kv_dtype)
+        requests: list[ReadRequest] = []
+        places: list[tuple[int, int, int, int, int]] = []
+        pos = 0
+        for seg in segments:
+            f = self._open_file(seg.file_id)
+            ct = f.record.chunk_tokens
+            r0, r1 = seg.file_row, seg.file_row + seg.length
+            for b in range(r0 // ct, (r1 - 1) // ct + 1):
+                lo, hi = max(r0, b * ct), min(r1, (b + 1) * ct)
+                for li, layer in enumerate(layers):
+                    info = f.blocks.get((layer, b))
+                    if info is None:
+                        raise CorruptBlockError(f"block {layer}/{b} of file {f.path} is not indexed", seg.file_id)
+                    requests.append(ReadRequest(seg.file_id, f.path, info.offset, info.nbytes, info.crc32))
+                    places.append((li, info.rows, lo - b * ct, hi - b * ct, pos + lo - r0))
+            pos += seg.length
+        views, nbytes = self._reader.read(requests)
+        h, d = spec.num_kv_heads, spec.head_dim
+        for view, (li, rows, a, b, dst) in zip(views, places):
+            block = torch.frombuffer(view, dtype=spec.torch_kv_dtype).view(2, h, rows, d)
+            keys[li, :, dst : dst + b - a] = block[0, :, a:b]
+            values[li, :, dst : dst + b - a] = block[1, :, a:b]
+        with self._lock:
+            self.counters.bytes_read_disk += nbytes
+            self.counters.blocks_read += len(requests)
+        return LoadedPrefix(keys, values, nbytes, len(requests), time.perf_counter() - t0, layers)
+
+    def _open_file(self, file_id: int) -> _OpenFile:
+        with self._lock:
+            f = self._files.get(file_id)
+            if f is None:
+                record = self.index.file(file_id)
+                if record is None:
+                    raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
+                f = _OpenFile(record, self.path / CHUNK_DIR / record.name, self.index.blocks(file_id))
+                self._files[file_id] = f
+            return f
+
+    # -- writes ----------------------------------------------------------------------
+    def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
+        """Store a prompt's K/V in the background.
+
+        ``keys[layer]`` and ``values[layer]`` are ``[kv_heads, len(tokens), head_dim]``
+        (any device and dtype; they are converted in the writer thread). Only the
+        tokens not already stored are written.
+        """
+        self._check_open()
+        tokens = tuple(int(t) for t in tokens)
+        _check_kv(self.spec, tokens, keys, values)
+        fut = self._writer.submit(self._put, tokens, keys, values)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
+
+    def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store a prompt's K/V and wait until it is on disk and indexed."""
+        self.put_async(tokens, keys, values).result()
+
+    def _put(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        try:
+            self._put_inner(tokens, keys, values)
+        except Exception:
+            log.exception("storing a prompt of %d tokens failed; the store is unchanged", len(tokens))
+            raise
+
+    def _put_inner(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            self._refresh()
+            m = self.tree.match(tokens).length
+        if m == len(tokens):
+            with self._lock, self.index.transaction() as conn:
+                self._refresh_locked()
+                _, upper, _ = self.tree.insert(tokens, file_id=-1)
+                self._persist_insert(conn, upper, None, tokens)
+            return
+        dtype = self.spec.torch_kv_dtype
+        ks = [k[:, m:].to("cpu", dtype) for k in keys]
+        vs = [v[:, m:].to("cpu", dtype) for v in values]
+        blocks = list(iter_blocks(ks, vs, self.config.chunk_tokens))
+        fmt = self._formats[FORMATS[self._format_name].suffix]
+        name = f"{uuid.uuid4().hex}.{fmt.suffix}"
+        final = self.path / CHUNK_DIR / name
+        tmp = final.with_name(name + ".tmp")
+        meta = {"tokens_from": str(m), "n_tokens": str(len(tokens) - m), "chunk_tokens": str(self.config.chunk_tokens)}
+        infos = fmt.write(tmp, blocks, dtype, meta)
+        os.replace(tmp, final)
+        if self.config.fsync:
+            fsync_dir(final.parent)
+        with self._lock, self.index.transaction() as conn:
+            self._refresh_locked()
+            m2 = self.tree.match(tokens).length
+            if m2 < m:
+                # part of the prefix we matched was deleted meanwhile: our file lacks those rows
+                log.warning("prefix changed while writing; dropping a %d-token write", len(tokens) - m)
+                final.unlink(missing_ok=True)
+                return
+            if m2 == len(tokens):
+                final.unlink(missing_ok=True)
+                _, upper, _ = self.tree.insert(tokens, file_id=-1)
+                self._persist_insert(conn, upper, None, tokens)
+                return
+            file_id = self.index.add_file(conn, name, fmt.suffix, len(tokens) - m, self.config.chunk_tokens, infos)
+            try:
+                _, upper, leaf = self.tree.insert(tokens, file_id, file_row_of_first_new=m2 - m)
+                self._persist_insert(conn, upper, leaf, tokens)
+            except BaseException:
+                self.tree = self.index.load_tree()
+                raise
+        self.counters.prompts_written += 1
+        self.counters.tokens_written += len(tokens) - m
+        self.counters.bytes_written += sum(i.nbytes for i in infos)
+        self.counters.write_seconds += time.perf_counter() - t0
+
+    def _persist_insert(self, conn: Any, upper: Any, leaf: Any, tokens: tuple[int, ...]) -> None:
+        if upper is not None:
+            self.index.put_node(conn, upper)
+            for child in upper.children.values():
+                self.index.put_node(conn, child)
+        if leaf is not None:
+            self.index.put_node(conn, leaf)
+        else:
+            end = self.tree.match(tokens).segments
+            if end:
+                self.index.put_node(conn, end[-1].node)
+
+    # -- consistency -----------------------------------------------------------------
+    def _refresh(self) -> None:
+        with self._lock:
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
+        """Reload the tree if another process changed the index."""
+        if self.index.changed_elsewhere():
+            locks = {n.id: n.lock_ref for n in self.tree.nodes() if n.lock_ref}
+            self.tree = self.index.load_tree()
+            for node_id, ref in locks.items():
+                try:
+                    self.tree.node(node_id).lock_ref = ref
+                except KeyError:
+                    pass
+            self._files.clear()
+
+    def quarantine(self, file_id: int, reason: str) -> None:
+        """Move a damaged chunk file aside and forget every prefix that needs it.
+
+        Nodes stored in the file, and everything below them in the tree, are removed
+        from the index; later requests recompute those tokens.
+        """
+        with self._lock, self.index.transaction() as conn:
+            self._refresh_locked()
+            doomed = [n for n in self.tree.nodes() if n.file_id == file_id]
+            removed = 0
+            for top in doomed:
+                if top.parent is None:
+                    continue  # already removed as part of another subtree
+                for node in self.tree.subtree(top):
+                    node.lock_ref = 0
+                    self.tree.remove(node)
+                    self.index.delete_node(conn, node.id)
+                    removed += 1
+            record = self.index.file(file_id)
+            unreferenced = self.index.unreferenced_files(conn)
+            for fid in unreferenced:
+                rec = self.index.file(fid)
+                self.index.delete_file(conn, fid)
+                self._files.pop(fid, None)
+                if rec is not None and fid != file_id:
+                    (self.path / CHUNK_DIR / rec.name).unlink(missing_ok=True)
+            if record is not None:
+                qdir = self.path / QUARANTINE_DIR
+                qdir.mkdir(exist_ok=True)
+                src = self.path / CHUNK_DIR / record.name
+                if src.exists():
+                    os.replace(src, qdir / record.name)
+            self.counters.quarantined_files += 1
+        log.warning(
+            "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
+            record.name if record else file_id, reason, removed,
+        )
+
+    def _remove_orphans(self) -> None:
+        """Delete temp files and chunk files the index does not know (crash leftovers)."""
+        known = {f.name for f in self.index.files()}
+        for p in (self.path / CHUNK_DIR).iterdir():
+            if p.name not in known:
+                log.info("removing unindexed file %s (left by an interrupted write)", p.name)
+                p.unlink(missing_ok=True)
+
+    # -- introspection ---------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        """Bytes of K/V in chunk files referenced by the index."""
+        return self.index.total_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this store since it was opened."""
+        out = dict(self.counters.__dict__)
+        out.update(nodes=len(self.tree), files=len(self.index.files()), disk_bytes=self.disk_bytes())
+        return out
+
+    def reset_stats(self) -> None:
+        self.counters = StoreCounters()
+
+
+def _check_kv(spec: ModelSpec, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    if len(keys) != spec.num_layers or len(values) != spec.num_layers:
+        raise ValueError(f"expected K/V for {spec.num_layers} layers, got {len(keys)} and {len(values)}")
+    want = (spec.num_kv_heads, len(tokens), spec.head_dim)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"layer {i}: expected K/V of shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")

