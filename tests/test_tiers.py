@@ -186,10 +186,10 @@ def test_constructor_validation() -> None:
 )
 def test_eviction_order_in_manager(policy: str, expected_victim: str) -> None:
     clock = FakeClock()
-    mgr = TierManager(0, 300, make_policy(policy), clock=clock)
-    # a: 3 accesses, share 0.5 (score 1.5); b: 2 accesses, share 1 (score 2);
-    # c: 1 access, share 1 (score 1) but most recent. All in class "high".
-    plan = [("a", 0.5), ("b", 1.0), ("a", 0.5), ("b", 1.0), ("a", 0.5), ("c", 1.0)]
+    shares = {"high": 1.0, "medium": 0.0, "low": 0.0}  # every block is a candidate
+    mgr = TierManager(0, 300, make_policy(policy), class_shares=shares, clock=clock)
+    # a: 3 accesses x share 0.3 = 0.9, b: 2 x 1.0 = 2 (least recent), c: 1 x 1.0 = 1
+    plan = [("a", 0.3), ("b", 1.0), ("a", 0.3), ("b", 1.0), ("a", 0.3), ("c", 1.0)]
     for k, s in plan:
         mgr.touch(k, s)
         if mgr.tier_of(k) is None:

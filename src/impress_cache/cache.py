@@ -113,6 +113,7 @@ class ImpressCache(Cache):
         self._ids = ids
         self._mask = mask
         self._state = "ready"
+        self._prompt_checked = False
         self._consumed = 0
         self._written = False
         t0 = time.perf_counter()
@@ -129,7 +130,7 @@ class ImpressCache(Cache):
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)
-        _install_hook(store.model)
+        _install_hooks(store.model)
 
     # -- reading the prefix -----------------------------------------------------------
     def _load_prefix(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
@@ -198,17 +199,39 @@ class ImpressCache(Cache):
             self.store.put_async(toks, keys, values)
             self.stats.stored_prompts += 1
 
-    def check_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
-        """Called before every model forward that uses this cache (see ``_install_hook``)."""
+    def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        """Called by ``generate`` (through ``prepare_inputs_for_generation``) with the whole prompt.
+
+        The model's forward only sees the tokens after the reused prefix, so this is
+        where a cache built for one prompt and used with another is caught.
+        """
+        if self._state != "ready" or self._prompt_checked:
+            return
         if input_ids is None:
             raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
-        batch = self._ids.shape[0]
-        if input_ids.shape[0] != batch:
-            if self._state != "ready" or input_ids.shape[0] % batch:
-                raise CacheUsageError(
-                    f"this cache was built for a batch of {batch} rows, the model got {input_ids.shape[0]}"
-                )
-            self.expand(input_ids.shape[0] // batch)
+        self._match_batch(input_ids.shape[0])
+        if input_ids.shape != self._ids.shape or not torch.equal(input_ids.to("cpu"), self._ids):
+            raise CacheUsageError(
+                "the input_ids given to generate differ from those this ImpressCache was built for; "
+                "pass the same input_ids to ImpressCache(...) and generate(...), and build a new cache per request"
+            )
+        mask = (
+            torch.ones_like(self._ids, dtype=torch.bool)
+            if attention_mask is None
+            else attention_mask.to("cpu").bool()
+        )
+        if mask.shape != self._mask.shape or not torch.equal(mask, self._mask):
+            raise CacheUsageError(
+                "the attention_mask given to generate differs from the one ImpressCache was built with; "
+                "pass the same attention_mask to ImpressCache(store, input_ids, attention_mask=...)"
+            )
+        self._prompt_checked = True
+
+    def check_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        """Called before every model forward that uses this cache (see ``_install_hooks``)."""
+        if input_ids is None:
+            raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
+        self._match_batch(input_ids.shape[0])
         seq = self._ids.shape[1]
         q = input_ids.shape[1]
         if self._state == "decoding":
@@ -220,13 +243,13 @@ class ImpressCache(Cache):
             return
         start = self._reused if self._state == "ready" else self._consumed
         expected = self._ids[:, start : start + q]
-        if q > seq - start or not torch.equal(input_ids.to(expected.device), expected):
+        if q > seq - start or not torch.equal(input_ids.to("cpu"), expected):
             raise CacheUsageError(
                 "the input_ids given to the model differ from those this ImpressCache was built for; "
                 "pass the same input_ids to ImpressCache(...) and generate(...), and build a new cache per request"
             )
-        if attention_mask is not None:
-            m = attention_mask[:, : self._reused].to(self._mask.device).bool()
+        if attention_mask is not None and attention_mask.dim() == 2:
+            m = attention_mask[:, : self._reused].to("cpu").bool()
             if m.shape != (self._ids.shape[0], self._reused) or not torch.equal(m, self._mask[:, : self._reused]):
                 raise CacheUsageError(
                     "the attention_mask given to generate differs from the one ImpressCache was built with; "
@@ -234,6 +257,14 @@ class ImpressCache(Cache):
                 )
         self._consumed = start + q
         self._state = "prefill" if self._consumed < seq else "decoding"
+
+    def _match_batch(self, rows: int) -> None:
+        batch = self._ids.shape[0]
+        if rows == batch:
+            return
+        if self._state != "ready" or rows % batch:
+            raise CacheUsageError(f"this cache was built for a batch of {batch} rows, the model got {rows}")
+        self.expand(rows // batch)
 
     def expand(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
@@ -295,8 +326,12 @@ def _check_inputs(
 _hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-def _install_hook(model: torch.nn.Module) -> None:
-    """Register (once per model) a forward pre-hook that validates ImpressCache inputs."""
+def _install_hooks(model: torch.nn.Module) -> None:
+    """Once per model: validate what ``generate`` and ``forward`` pass to an ImpressCache.
+
+    ``prepare_inputs_for_generation`` sees the whole prompt (the forward only sees the
+    tokens after the reused prefix); a forward pre-hook checks every step.
+    """
     if model in _hooked:
         return
 
@@ -307,4 +342,13 @@ def _install_hook(model: torch.nn.Module) -> None:
             cache.check_forward(ids, kwargs.get("attention_mask"))
 
     model.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    original = model.prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, ImpressCache):
+            cache.check_prompt(input_ids, kwargs.get("attention_mask"))
+        return original(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
     _hooked.add(model)

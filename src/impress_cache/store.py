@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import ImpressConfig
-from .errors import CorruptBlockError
+from .errors import ConfigError, CorruptBlockError
 from .index import FileRecord, Index
 from .model_info import ModelSpec, model_spec
 from .radix import Match, RadixTree, Segment
@@ -105,6 +105,8 @@ class ImpressStore:
         self.path = Path(path)
         self.model = model
         self.spec: ModelSpec = model_spec(model, self.config.kv_dtype)
+        if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
+            raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CHUNK_DIR).mkdir(exist_ok=True)
         self._lock = threading.RLock()

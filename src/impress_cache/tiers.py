@@ -25,7 +25,7 @@ access. The caller records one access per request and block with
 :meth:`TierManager.touch` (alias :meth:`TierManager.record_access`), typically right
 before ``get``; this keeps frequencies independent of how often a request looks a block
 up. ``put_from_disk(..., important_share=x)`` only seeds the statistics of a block the
-policy has never seen (without counting an access).
+policy has never seen (zero accesses, share ``x``, recency of now).
 
 Class shares
 ------------
@@ -283,8 +283,9 @@ class TierManager:
         nbytes:
             Size charged against the budget.
         important_share:
-            Seeds the block's share statistics if the policy has none; ignored
-            otherwise.
+            Used only when the policy has no statistics for the block: they are then
+            created (seeded) with this share (``None``: 1.0) and zero accesses, which
+            also stamps the block's recency. Ignored otherwise.
 
         Returns
         -------
@@ -306,8 +307,7 @@ class TierManager:
             if entry is not None:
                 return entry.tier
             now = self._now()
-            if important_share is not None:
-                self._policy.seed(key, now, important_share)
+            self._policy.seed(key, now, important_share)
             cls = self._policy.importance_class(key)
             skey = self._policy.sort_key(key, now)
             if self._disk_to_device:
