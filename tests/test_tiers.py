@@ -293,6 +293,18 @@ def test_own_class_is_a_candidate_but_protected_classes_are_not() -> None:
     assert mgr.used_bytes(HOST) == 1000
 
 
+def test_borrower_stops_losing_blocks_once_back_within_share() -> None:
+    mgr = TierManager(0, 1000, LRUPolicy(share_ema=1.0), clock=FakeClock())
+    fill_host(mgr, [f"h{i}" for i in range(4)], share=0.9)  # 400: high 100 over share
+    fill_host(mgr, [f"m{i}" for i in range(4)], share=0.3)  # 400: medium within share
+    fill_host(mgr, ["l0", "l1"], share=0.0)  # 200: low at share
+    mgr.touch("big_low", 0.0)
+    assert mgr.put_from_disk("big_low", "x", 200) == HOST
+    # h0 (oldest, over share) goes; then high is at its share, so the own class pays
+    assert set(mgr.blocks()) == {"h1", "h2", "h3", "m0", "m1", "m2", "m3", "l1", "big_low"}
+    assert mgr.class_bytes(HOST) == {"high": 300, "medium": 400, "low": 300}
+
+
 def test_reclassification_on_touch_moves_bytes() -> None:
     mgr = TierManager(0, 1000, ScorePolicy(share_ema=1.0), clock=FakeClock())
     fill_host(mgr, ["a"], share=0.9)

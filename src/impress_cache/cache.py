@@ -1,4 +1,4 @@
-"""ImpressCache: one request's view of an :class:`~impress_cache.ImpressStore`.
+"""ImpressCache: one request's view of an `ImpressStore`.
 
 This module is the only one that knows how ``transformers`` drives a cache:
 
@@ -84,7 +84,7 @@ class ImpressCache(Cache):
     Parameters
     ----------
     store:
-        The :class:`~impress_cache.ImpressStore` to read from and write to.
+        The `ImpressStore` to read from and write to.
     input_ids:
         The full prompt, ``[batch, seq]`` integer tensor, exactly as passed to
         ``generate``. Each row reuses at most ``seq - 1`` stored tokens.
@@ -94,6 +94,8 @@ class ImpressCache(Cache):
     store_prompt:
         Write the prompt's K/V to the store once it has been computed.
 
+    Notes
+    -----
     One cache serves one request: build a new one for every ``generate`` call.
     """
 
@@ -151,16 +153,15 @@ class ImpressCache(Cache):
             if reused == 0:
                 return 0, None, None
             shape = (spec.num_layers, batch, spec.num_kv_heads, reused, spec.head_dim)
-            keys = torch.zeros(shape, dtype=spec.torch_kv_dtype)
-            values = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+            alloc = torch.zeros if max(pads) > 0 else torch.empty  # padding columns must be zeros
+            keys = alloc(shape, dtype=spec.torch_kv_dtype)
+            values = alloc(shape, dtype=spec.torch_kv_dtype)
             try:
                 for i, m in enumerate(matches):
                     used = reused - pads[i]
                     if used <= 0:
                         continue
-                    loaded = store.load(_cut(m, used))
-                    keys[:, i, :, pads[i]:] = loaded.keys
-                    values[:, i, :, pads[i]:] = loaded.values
+                    loaded = store.load(_cut(m, used), out=(keys[:, i, :, pads[i]:], values[:, i, :, pads[i]:]))
                     self.stats.bytes_read_disk += loaded.bytes_read
                     self.stats.blocks_read += loaded.blocks_read
             except CorruptBlockError as exc:

@@ -1,4 +1,4 @@
-"""User-facing configuration of an :class:`~impress_cache.ImpressStore`."""
+"""User-facing configuration of an `ImpressStore`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ImpressConfig:
     """Parameters of a store and of the caches it hands out.
 
     Every field is validated when the object is created; a value out of range raises
-    :class:`~impress_cache.errors.ConfigError` naming the field, the value and what is
+    `ConfigError` naming the field, the value and what is
     allowed.
 
     Parameters

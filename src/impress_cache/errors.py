@@ -1,4 +1,4 @@
-"""Exceptions raised by impress_cache. All derive from :class:`ImpressError`."""
+"""Exceptions raised by impress_cache. All derive from `ImpressError`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class UnsupportedModelError(ImpressError, ValueError):
 
 
 class CacheUsageError(ImpressError, ValueError):
-    """An :class:`~impress_cache.ImpressCache` was used in a way it does not support."""
+    """An `ImpressCache` was used in a way it does not support."""
 
 
 class CorruptBlockError(ImpressError, IOError):

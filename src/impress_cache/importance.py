@@ -2,16 +2,16 @@
 
 This module holds the pure tensor logic of the "identify" step of IMPRESS:
 
-* :func:`attention_column_scores` scores every prefix token with the queries of the
+* `attention_column_scores` scores every prefix token with the queries of the
   new tokens (H2O-style column sums of the softmax attention probabilities);
-* :func:`topk_indices`, :func:`mean_pairwise_jaccard`, :func:`expected_random_jaccard`
-  and :func:`similarity_threshold` decide whether the probe heads agree;
-* :func:`vote` and :func:`block_select` build one shared set of prefix rows per batch
+* `topk_indices`, `mean_pairwise_jaccard`, `expected_random_jaccard`
+  and `similarity_threshold` decide whether the probe heads agree;
+* `vote` and `block_select` build one shared set of prefix rows per batch
   row (token mode and whole-block mode);
-* :func:`select_layer` combines the above for one layer, including the per-head
+* `select_layer` combines the above for one layer, including the per-head
   fallback when the probe heads disagree;
-* :func:`choose_probe_heads` picks probe query heads from different KV groups;
-* :func:`sparse_prefix_attention_reference` is a slow, exact reference of attention
+* `choose_probe_heads` picks probe query heads from different KV groups;
+* `sparse_prefix_attention_reference` is a slow, exact reference of attention
   restricted to selected prefix rows, used by tests.
 
 Everything here is I/O free and works on CPU or GPU tensors alike.
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: Upper bound on the number of float32 logits materialised per query-row chunk by
-#: :func:`attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
+#: `attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
 DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
 
 _VALID_MODES = ("token", "block")
@@ -150,7 +150,7 @@ def attention_column_scores(
         probability (and thus a zero score).
     chunk_rows : int, optional
         Number of query rows processed at once.  By default it is chosen so that at
-        most about :data:`DEFAULT_CHUNK_ELEMENTS` logits exist at a time.
+        most about `DEFAULT_CHUNK_ELEMENTS` logits exist at a time.
 
     Returns
     -------
@@ -595,8 +595,8 @@ def select_layer(
 
     The probe heads' top-``k`` sets are compared (mean pairwise Jaccard, averaged over
     the batch; one decision for the whole batch).  If the similarity reaches
-    ``threshold``, one shared set per batch row is built: by :func:`vote` in
-    ``"token"`` mode, or by :func:`block_select` over the sum of the normalised probe
+    ``threshold``, one shared set per batch row is built: by `vote` in
+    ``"token"`` mode, or by `block_select` over the sum of the normalised probe
     scores in ``"block"`` mode (covering at least ``k`` rows with whole blocks).
     Otherwise the layer falls back: ``full_scores_fn()`` is called once to get scores
     for every KV head and each KV head keeps its own top-``k``.  In ``"block"`` mode
@@ -607,11 +607,11 @@ def select_layer(
     ----------
     probe_scores : Tensor
         ``[B, Hp, P]`` scores of the probe heads (e.g. from
-        :func:`attention_column_scores`).
+        `attention_column_scores`).
     k : int
         Rows to keep per head, ``1 <= k <= P``.
     threshold : float
-        Similarity threshold, e.g. from :func:`similarity_threshold`.
+        Similarity threshold, e.g. from `similarity_threshold`.
     full_scores_fn : callable, optional
         Zero-argument function returning ``[B, Hkv, P]`` scores of all KV heads.  Only
         called on fallback; required then.
@@ -750,8 +750,8 @@ def sparse_prefix_attention_reference(
     selected : Tensor or sequence of Tensor
         Selected prefix rows (unique indices): a 1-D tensor shared by all batch rows
         and heads; a ``[B, k]`` tensor (per batch row); a ``[B, H, k]`` tensor (per
-        head, as in :attr:`LayerSelection.per_head_indices`); or a list of ``B``
-        tensors each ``[k_b]`` or ``[H, k_b]`` (as in :attr:`LayerSelection.indices`).
+        head, as in `per_head_indices`); or a list of ``B``
+        tensors each ``[k_b]`` or ``[H, k_b]`` (as in `indices`).
     scaling : float, optional
         Logit scale, default ``1 / sqrt(D)``.
 

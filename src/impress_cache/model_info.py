@@ -51,7 +51,7 @@ class ModelSpec:
         return asdict(self)
 
     def check_same(self, stored: dict[str, Any], where: str) -> None:
-        """Raise :class:`ModelMismatchError` naming every field that differs."""
+        """Raise `ModelMismatchError` naming every field that differs."""
         mine = self.to_dict()
         diffs = [
             f"{k}: store has {stored.get(k)!r}, model has {mine[k]!r}"

@@ -61,7 +61,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class Match:
-    """Result of :meth:`RadixTree.match`."""
+    """Result of `match`."""
 
     length: int
     segments: tuple[Segment, ...]

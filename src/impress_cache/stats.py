@@ -18,7 +18,7 @@ class RowStats:
 
 @dataclass
 class RequestStats:
-    """What one :class:`~impress_cache.ImpressCache` reused, computed, read and wrote.
+    """What one `ImpressCache` reused, computed, read and wrote.
 
     ``matched_tokens`` and ``computed_tokens`` count real (non-padding) prompt tokens
     summed over the batch: reused from the store, and run through the model. A row may

@@ -1,8 +1,8 @@
 """ImpressStore: the persistent prefix KV store on disk.
 
-It ties together the SQLite index (:mod:`impress_cache.index`), the radix tree
-(:mod:`impress_cache.radix`) and the chunk-file formats (:mod:`impress_cache.storage`).
-It knows nothing about ``generate``: :class:`~impress_cache.cache.ImpressCache` asks it
+It ties together the SQLite index (`index`), the radix tree
+(`radix`) and the chunk-file formats (`storage`).
+It knows nothing about ``generate``: `ImpressCache` asks it
 for the longest stored prefix of a prompt, for those rows' K/V, and hands it the K/V of
 new prompts to keep.
 """
@@ -47,7 +47,7 @@ class _OpenFile:
 
 @dataclass
 class StoreCounters:
-    """Totals since the store was opened (or since :meth:`ImpressStore.reset_stats`)."""
+    """Totals since the store was opened (or since `reset_stats`)."""
 
     prompts_written: int = 0
     tokens_written: int = 0
@@ -80,14 +80,16 @@ class ImpressStore:
     model:
         The Hugging Face causal LM whose K/V the store keeps. Its architecture, KV
         shape, dtype and a weight fingerprint are recorded; reopening the store with
-        a different model raises :class:`~impress_cache.errors.ModelMismatchError`.
+        a different model raises `ModelMismatchError`.
     config:
-        :class:`~impress_cache.ImpressConfig`; defaults apply when omitted.
+        `ImpressConfig`; defaults apply when omitted.
     storage_format:
         ``"safetensors"`` (default) or ``"hdf5"`` for chunk files written from now on.
         Files of both formats can live in one store.
 
-    The store is a context manager; :meth:`close` waits for pending writes.
+    Notes
+    -----
+    The store is a context manager; `close` waits for pending writes.
     """
 
     def __init__(
@@ -146,7 +148,7 @@ class ImpressStore:
         self._closed = True
 
     def flush(self) -> None:
-        """Block until every prompt handed to :meth:`put_async` is on disk and indexed."""
+        """Block until every prompt handed to `put_async` is on disk and indexed."""
         while True:
             with self._lock:
                 pending, self._pending = self._pending, []
@@ -167,12 +169,18 @@ class ImpressStore:
             self._refresh()
             return self.tree.match(tokens, limit)
 
-    def load(self, segments: Sequence[Segment], layers: Sequence[int] | None = None) -> LoadedPrefix:
+    def load(
+        self,
+        segments: Sequence[Segment],
+        layers: Sequence[int] | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> LoadedPrefix:
         """Read the K/V rows of ``segments`` (a match, possibly cut shorter).
 
-        Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype.
-        Raises :class:`CorruptBlockError` when a block is missing or damaged; the
-        caller quarantines the file (:meth:`quarantine`) and matches again.
+        Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
+        written into ``out`` (a pair of tensors, or views, of that shape) when given.
+        Raises `CorruptBlockError` when a block is missing or damaged; the
+        caller quarantines the file (`quarantine`) and matches again.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -180,8 +188,13 @@ class ImpressStore:
         layers = list(range(spec.num_layers)) if layers is None else list(layers)
         n = sum(seg.length for seg in segments)
         shape = (len(layers), spec.num_kv_heads, n, spec.head_dim)
-        keys = torch.empty(shape, dtype=spec.torch_kv_dtype)
-        values = torch.empty(shape, dtype=spec.torch_kv_dtype)
+        if out is None:
+            keys = torch.empty(shape, dtype=spec.torch_kv_dtype)
+            values = torch.empty(shape, dtype=spec.torch_kv_dtype)
+        else:
+            keys, values = out
+            if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+                raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
         requests: list[ReadRequest] = []
         places: list[tuple[int, int, int, int, int]] = []
         pos = 0
@@ -233,7 +246,8 @@ class ImpressStore:
         _check_kv(self.spec, tokens, keys, values)
         fut = self._writer.submit(self._put, tokens, keys, values)
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
+            # finished writes are dropped unless they failed: flush() re-raises those
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
         return fut
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ block is in at most one of them. Payloads are opaque to this module: the store p
 ``to_device`` / ``to_host`` callables that move them (for example torch tensors between
 devices). Nothing here imports torch.
 
-Which block to evict is decided by an :class:`~impress_cache.policies.EvictionPolicy`
+Which block to evict is decided by an `EvictionPolicy`
 (IMPRESS score, LRU or LFU); this module turns its sort keys into admission, eviction,
 promotion and demotion decisions (IMPRESS, section 3):
 
@@ -20,9 +20,9 @@ promotion and demotion decisions (IMPRESS, section 3):
 
 Accesses
 --------
-Neither :meth:`TierManager.get` nor :meth:`TierManager.put_from_disk` counts as an
+Neither `get` nor `put_from_disk` counts as an
 access. The caller records one access per request and block with
-:meth:`TierManager.touch` (alias :meth:`TierManager.record_access`), typically right
+`touch` (alias `record_access`), typically right
 before ``get``; this keeps frequencies independent of how often a request looks a block
 up. ``put_from_disk(..., important_share=x)`` only seeds the statistics of a block the
 policy has never seen (zero accesses, share ``x``, recency of now).
@@ -48,9 +48,9 @@ touched.
 
 Pins
 ----
-:meth:`TierManager.pin` takes a counted reference on a block in use by a running
-request. A pinned block is never evicted or demoted (explicit :meth:`~TierManager.evict`
-and :meth:`~TierManager.drop` refuse unless ``force=True``); it may still be promoted from
+`pin` takes a counted reference on a block in use by a running
+request. A pinned block is never evicted or demoted (explicit `evict`
+and `drop` refuse unless ``force=True``); it may still be promoted from
 host to device, the pin following it. Pinning a block that is not in memory is allowed:
 the pin applies once it is admitted.
 
@@ -131,7 +131,7 @@ class TierManager:
         Byte budget of the host tier; ``0`` disables it.
     policy:
         Eviction policy; the manager owns its statistics from now on (call
-        :meth:`touch` rather than ``policy.on_access`` so heap entries follow).
+        `touch` rather than ``policy.on_access`` so heap entries follow).
     class_shares:
         Fraction of each tier's budget preallocated to ``"high"``, ``"medium"`` and
         ``"low"`` importance blocks; non-negative, summing to 1 (see module notes).
@@ -141,7 +141,7 @@ class TierManager:
     to_device, to_host:
         Payload transforms applied when a block moves to the device tier (from host or
         from disk) and from device to host. Identity by default. Payloads given to
-        :meth:`put_from_disk` are taken to be in host form.
+        `put_from_disk` are taken to be in host form.
     disk_to_device:
         When true, a block read from disk first competes for the device tier (paper
         behaviour); when false (default), it only enters the host tier and reaches the
@@ -222,7 +222,7 @@ class TierManager:
     def get(self, key: Hashable, nbytes: int | None = None) -> tuple[str, Any] | None:
         """Look a block up in the device tier, then in the host tier.
 
-        Does not count as an access (see :meth:`touch`). A host hit is promoted to the
+        Does not count as an access (see `touch`). A host hit is promoted to the
         device when it beats the device victims it needs; the returned tier and payload
         are then the device ones.
 
@@ -238,7 +238,7 @@ class TierManager:
         -------
         tuple of (str, object) or None
             ``(tier, payload)`` or ``None`` on a miss (the caller reads the disk copy
-            and may call :meth:`put_from_disk`).
+            and may call `put_from_disk`).
         """
         with self._lock:
             self._gets += 1
@@ -292,7 +292,7 @@ class TierManager:
         str or None
             The tier the block is now in, or ``None`` if no tier admitted it. A block
             already in memory stays where it is and its tier is returned (the payload
-            is not replaced; :meth:`evict` it first to replace it).
+            is not replaced; `evict` it first to replace it).
 
         Raises
         ------
@@ -362,7 +362,7 @@ class TierManager:
                 self._reposition(entry, now)
 
     def record_access(self, key: Hashable, important_share: float | None = None) -> None:
-        """Alias of :meth:`touch`."""
+        """Alias of `touch`."""
         self.touch(key, important_share)
 
     def refresh(self, key: Hashable) -> None:
@@ -394,7 +394,7 @@ class TierManager:
             return count
 
     def unpin(self, key: Hashable) -> int:
-        """Release a reference taken by :meth:`pin`.
+        """Release a reference taken by `pin`.
 
         Returns
         -------
@@ -538,7 +538,7 @@ class TierManager:
             return f"TierManager({parts}, policy={self._policy.name})"
 
     def stats(self) -> dict[str, Any]:
-        """Counters since construction or the last :meth:`reset_stats`.
+        """Counters since construction or the last `reset_stats`.
 
         Returns
         -------
@@ -599,7 +599,7 @@ class TierManager:
             return out
 
     def reset_stats(self) -> None:
-        """Zero every counter of :meth:`stats` (residency is unchanged)."""
+        """Zero every counter of `stats` (residency is unchanged)."""
         with self._lock:
             self._gets = 0
             self._misses = 0

@@ -1,8 +1,8 @@
 """Eviction policies of the memory tiers.
 
 A new policy is one new module defining an
-:class:`~impress_cache.policies.base.EvictionPolicy` subclass plus one line in
-:data:`POLICIES`.
+`EvictionPolicy` subclass plus one line in
+`POLICIES`.
 """
 
 from __future__ import annotations

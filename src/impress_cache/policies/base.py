@@ -3,7 +3,7 @@
 A policy keeps per-block statistics (access count, a frequency that may decay, a moving
 average of the block's important share, last access) and turns them into an eviction
 sort key: the lower the key, the earlier the block is evicted. A policy never moves data
-and knows nothing about tiers or byte budgets; :class:`~impress_cache.tiers.TierManager`
+and knows nothing about tiers or byte budgets; `TierManager`
 does that.
 
 Policies are not thread-safe by themselves: the tier manager calls them under its lock.
@@ -85,13 +85,13 @@ class EvictionPolicy(ABC):
 
     Notes
     -----
-    Statistics of a block the policy has never seen are those of :class:`BlockStats`
+    Statistics of a block the policy has never seen are those of `BlockStats`
     defaults: no accesses, share 1.0 (unknown counts as fully important, hence class
     ``"high"``), ``seq`` 0 (oldest).
 
-    The manager keeps blocks in heaps ordered by :meth:`sort_key`. A policy whose
+    The manager keeps blocks in heaps ordered by `sort_key`. A policy whose
     ``time_invariant_order`` is true promises that ``sort_key`` does not depend on
-    ``now`` and that only :meth:`on_access`, :meth:`seed` and :meth:`load_stats`
+    ``now`` and that only `on_access`, `seed` and `load_stats`
     change it, so heap entries stay valid until the block's statistics change. A policy
     that cannot promise that sets it to false and the manager recomputes every key
     before it chooses victims.
@@ -99,7 +99,7 @@ class EvictionPolicy(ABC):
 
     #: Registry name of the policy.
     name: ClassVar[str] = "base"
-    #: Whether :meth:`sort_key` is independent of the clock (see class notes).
+    #: Whether `sort_key` is independent of the clock (see class notes).
     time_invariant_order: ClassVar[bool] = True
 
     def __init__(
@@ -185,9 +185,9 @@ class EvictionPolicy(ABC):
     def sort_key(self, key: Hashable, now: float) -> tuple[float, int]:
         """Total order used by the manager's heaps: ``(priority, seq)``.
 
-        Orders blocks exactly as :meth:`priority` at time ``now``, ties broken by last
+        Orders blocks exactly as `priority` at time ``now``, ties broken by last
         access (least recent first). Subclasses whose priority changes with time
-        override this with a time-invariant equivalent (see :class:`ScorePolicy`).
+        override this with a time-invariant equivalent (see `ScorePolicy`).
         """
         return (self.priority(key, now), self._get(key).seq)
 
@@ -217,7 +217,7 @@ class EvictionPolicy(ABC):
             When given, ``freq`` is brought up to date (decayed) to ``now``,
             ``freq_time`` is set to ``now`` and ``age_s = now - last_access`` is added,
             which makes the record independent of the clock origin (monotonic clocks
-            restart with the process). Pass the same ``now`` to :meth:`load_stats`.
+            restart with the process). Pass the same ``now`` to `load_stats`.
 
         Returns
         -------
@@ -243,7 +243,7 @@ class EvictionPolicy(ABC):
     def load_stats(
         self, key: Hashable, stats: Mapping[str, Any], now: float | None = None
     ) -> None:
-        """Install statistics previously returned by :meth:`stats_of`.
+        """Install statistics previously returned by `stats_of`.
 
         Missing fields take their defaults. With ``now``, timestamps are rebased: the
         frequency is taken as of ``now`` and ``last_access = now - age_s`` (or ``now``

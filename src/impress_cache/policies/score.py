@@ -24,14 +24,14 @@ class ScorePolicy(EvictionPolicy):
         Half-life of the frequency, in seconds of the manager's clock. ``None`` or
         ``math.inf`` disables decay (plain access count, as in the paper).
     share_ema, high_threshold, low_threshold:
-        See :class:`~impress_cache.policies.base.EvictionPolicy`.
+        See `EvictionPolicy`.
 
     Notes
     -----
     Decay is lazy: a block stores ``freq`` and the time ``freq_time`` it was last
     brought up to date, and ``freq(now) = freq * 2 ** (-(now - freq_time) / half_life)``.
     Because every block decays by the same factor over the same interval, the order of
-    blocks that are not accessed never changes. :meth:`sort_key` exploits this: it is
+    blocks that are not accessed never changes. `sort_key` exploits this: it is
     ``log2(freq * share) + freq_time / half_life``, which equals
     ``log2(priority(now)) + now / half_life`` for every ``now``, so it orders blocks
     exactly as the current score does and heap entries only go stale when a block is
@@ -68,7 +68,7 @@ class ScorePolicy(EvictionPolicy):
         return self._frequency_at(st, now) * st.share
 
     def sort_key(self, key: Hashable, now: float) -> tuple[float, int]:
-        """Time-invariant key ordering blocks as :meth:`priority` does at any time."""
+        """Time-invariant key ordering blocks as `priority` does at any time."""
         st = self._get(key)
         product = st.freq * st.share
         if product <= 0.0:

@@ -5,7 +5,7 @@ into blocks of ``chunk_tokens`` tokens. One block of one layer is one contiguous
 4 KiB-aligned byte range holding a ``[2, kv_heads, rows, head_dim]`` array (K then V),
 so any set of blocks can be read with plain ``preadv`` calls, without the format's own
 reader. Formats differ only in how they wrap those ranges; each one is one module in
-this package plus one line in :data:`impress_cache.storage.FORMATS`.
+this package plus one line in `FORMATS`.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class BlockReader:
     def read(self, requests: Sequence[ReadRequest]) -> tuple[list[memoryview], int]:
         """Return each request's bytes (in request order) and the bytes read in total.
 
-        Raises :class:`CorruptBlockError` (with the offending ``file_id``) when a file
+        Raises `CorruptBlockError` (with the offending ``file_id``) when a file
         is missing or short, or a block fails its checksum.
         """
         order = sorted(range(len(requests)), key=lambda i: (str(requests[i].path), requests[i].offset))
