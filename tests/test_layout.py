@@ -41,7 +41,7 @@ def test_any_blocks_round_trip(tmp_path_factory, fmt, dtype, layers, heads, dim,
     ks, vs = _kv(layers, heads, n, dim, tdt, seed)
     blocks = list(iter_blocks(ks, vs, chunk))
     path = tmp_path_factory.mktemp("chunks") / f"f.{fmt}"
-    infos = FORMATS[fmt](fsync=False).write(path, blocks, tdt, {"k": "v"})
+    infos = FORMATS[fmt](fsync=False).write(path, blocks, {"k": "v"})
     assert all(i.offset % ALIGN == 0 for i in infos)
     want = data.draw(st.lists(st.sampled_from(range(len(infos))), min_size=1, unique=True))
     reader = BlockReader(threads=2)
@@ -64,7 +64,7 @@ def test_safetensors_chunk_file_loads_with_safetensors(tmp_path):
     ks, vs = _kv(2, 2, 37, 8, torch.float16, 0)
     blocks = list(iter_blocks(ks, vs, 16))
     path = tmp_path / "x.safetensors"
-    FORMATS["safetensors"](fsync=False).write(path, blocks, torch.float16, {"note": "test"})
+    FORMATS["safetensors"](fsync=False).write(path, blocks, {"note": "test"})
     tensors = load_file(path)
     assert torch.equal(tensors["L1.B2"], torch.stack((ks[1][:, 32:], vs[1][:, 32:])))
     assert sum(1 for name in tensors if not name.startswith("__pad")) == len(blocks)

@@ -32,6 +32,14 @@ def _doc(seed=0, n=96):
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
+def _flip_in_first_kv_block(f: Path) -> None:
+    """Flip one byte inside the first K/V block (right after the safetensors header)."""
+    raw = bytearray(f.read_bytes())
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    raw[data_start + 100] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
 def _chunk_files(d: Path) -> list[Path]:
     return sorted((d / CHUNK_DIR).iterdir())
 
@@ -73,11 +81,9 @@ def test_damaged_chunk_file_is_quarantined_and_output_stays_exact(tmp_path, dama
         assert_same_as_uncached(model, store, doc)
     (f,) = _chunk_files(tmp_path)
     if damage == "flip":
-        raw = bytearray(f.read_bytes())
-        raw[-100] ^= 0xFF
-        f.write_bytes(bytes(raw))
+        _flip_in_first_kv_block(f)
     elif damage == "truncate":
-        f.write_bytes(f.read_bytes()[:-5000])
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     else:
         f.unlink()
     with ImpressStore(tmp_path, model, CFG) as store:
@@ -100,9 +106,7 @@ def test_damage_in_a_later_node_keeps_the_earlier_part(tmp_path):
         assert_same_as_uncached(model, store, doc)
         assert_same_as_uncached(model, store, longer)
     newest = max(_chunk_files(tmp_path), key=lambda p: p.stat().st_mtime_ns)
-    raw = bytearray(newest.read_bytes())
-    raw[-10] ^= 1
-    newest.write_bytes(bytes(raw))
+    _flip_in_first_kv_block(newest)
     with ImpressStore(tmp_path, model, CFG) as store:
         cache = assert_same_as_uncached(model, store, longer)
         assert cache.stats.quarantined_files == 1

@@ -29,7 +29,11 @@ class ImpressConfig:
         Share of a reused prefix whose K/V is loaded for the prefill of new tokens.
         ``1.0`` loads the whole prefix and reproduces uncached generation exactly.
     probe_heads:
-        Query heads per layer used to find the important prefix tokens.
+        Query heads per layer used to find the important prefix tokens. They are taken
+        from different KV groups; the store keeps a compact copy of their KV heads' keys.
+    probe_dtype:
+        Encoding of that probe-key copy: ``"int8"`` (default), ``"int4"`` or
+        ``"float16"``. Fixed when a store is created.
     similarity_alpha:
         Exponent of the probe-head agreement threshold ``t = j ** alpha``.
     similarity_threshold:
@@ -61,6 +65,7 @@ class ImpressConfig:
     chunk_tokens: int = 64
     important_ratio: float = 1.0
     probe_heads: int = 3
+    probe_dtype: str = "int8"
     similarity_alpha: float = 0.6
     similarity_threshold: float | None = None
     selection: str = "block"
@@ -97,6 +102,7 @@ class ImpressConfig:
                 f"got {self.similarity_threshold!r}"
             )
         _check_choice(self, "selection", _SELECTIONS)
+        _check_choice(self, "probe_dtype", ("float16", "int8", "int4"))
         _check_choice(self, "decode", _DECODES)
         _check_choice(self, "kv_dtype", _KV_DTYPES)
         _check_int(self, "io_threads", 1, 256)

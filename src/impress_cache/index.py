@@ -21,7 +21,7 @@ from typing import Any
 from .radix import RadixNode, RadixTree
 from .storage.base import BlockInfo
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -36,13 +36,14 @@ CREATE TABLE IF NOT EXISTS files (
 );
 CREATE TABLE IF NOT EXISTS blocks (
     file_id INTEGER NOT NULL,
+    kind INTEGER NOT NULL,
     layer INTEGER NOT NULL,
     block INTEGER NOT NULL,
     rows INTEGER NOT NULL,
     offset INTEGER NOT NULL,
     nbytes INTEGER NOT NULL,
     crc32 INTEGER NOT NULL,
-    PRIMARY KEY (file_id, layer, block)
+    PRIMARY KEY (file_id, kind, layer, block)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS nodes (
     id INTEGER PRIMARY KEY,
@@ -148,8 +149,8 @@ class Index:
         )
         file_id = int(cur.lastrowid)
         conn.executemany(
-            "INSERT INTO blocks(file_id, layer, block, rows, offset, nbytes, crc32) VALUES (?,?,?,?,?,?,?)",
-            [(file_id, b.layer, b.block, b.rows, b.offset, b.nbytes, b.crc32) for b in blocks],
+            "INSERT INTO blocks(file_id, kind, layer, block, rows, offset, nbytes, crc32) VALUES (?,?,?,?,?,?,?,?)",
+            [(file_id, b.kind, b.layer, b.block, b.rows, b.offset, b.nbytes, b.crc32) for b in blocks],
         )
         return file_id
 
@@ -167,12 +168,13 @@ class Index:
             ).fetchall()
         return [FileRecord(*r) for r in rows]
 
-    def blocks(self, file_id: int) -> dict[tuple[int, int], BlockInfo]:
+    def blocks(self, file_id: int) -> dict[tuple[int, int, int], BlockInfo]:
+        """``(kind, layer, block) -> BlockInfo`` of one file."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT layer, block, rows, offset, nbytes, crc32 FROM blocks WHERE file_id=?", (file_id,)
+                "SELECT kind, layer, block, rows, offset, nbytes, crc32 FROM blocks WHERE file_id=?", (file_id,)
             ).fetchall()
-        return {(r[0], r[1]): BlockInfo(*r) for r in rows}
+        return {(r[0], r[1], r[2]): BlockInfo(*r) for r in rows}
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
         conn.execute("DELETE FROM blocks WHERE file_id=?", (file_id,))

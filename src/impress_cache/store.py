@@ -27,9 +27,12 @@ from .config import ImpressConfig
 from .errors import ConfigError, CorruptBlockError
 from .index import FileRecord, Index
 from .model_info import ModelSpec, model_spec
+from . import probe as probe_codec
+from .importance import choose_probe_heads
+from .layout import PrefixLayout
 from .radix import Match, RadixTree, Segment
 from .storage import FORMATS, BlockInfo, BlockReader, ReadRequest, iter_blocks
-from .storage.base import fsync_dir
+from .storage.base import KV, PROBE, BlockData, fsync_path, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,24 @@ class _OpenFile:
     record: FileRecord
     path: Path
     blocks: dict[tuple[int, int], BlockInfo]
+
+
+#: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
+BlockKey = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Which KV heads the probe copy holds, and how it is encoded (fixed per store)."""
+
+    query_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    encoding: str
+    head_dim: int
+
+    @property
+    def record_bytes(self) -> int:
+        return probe_codec.record_bytes(len(self.kv_heads), self.head_dim, self.encoding)
 
 
 @dataclass
@@ -118,6 +139,7 @@ class ImpressStore:
             self.index.set_meta("model", json.dumps(self.spec.to_dict()))
         else:
             self.spec.check_same(stored, str(self.path))
+        self.probe = self._probe_spec()
         self._format_name = storage_format
         self._formats = {cls.suffix: cls(fsync=self.config.fsync) for cls in FORMATS.values()}
         self._reader = BlockReader(threads=self.config.io_threads)
@@ -129,6 +151,23 @@ class ImpressStore:
         self.tree: RadixTree = self.index.load_tree()
         self._remove_orphans()
         log.info("opened store %s: %d nodes, %d files", self.path, len(self.tree), len(self.index.files()))
+
+    def _probe_spec(self) -> ProbeSpec:
+        spec, cfg = self.spec, self.config
+        q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(cfg.probe_heads, spec.num_attention_heads))
+        group = spec.num_attention_heads // spec.num_kv_heads
+        kv = tuple(sorted({h // group for h in q}))
+        want = {"query_heads": list(q), "kv_heads": list(kv), "encoding": cfg.probe_dtype}
+        stored = self.index.get_json("probe")
+        if stored is None:
+            self.index.set_meta("probe", json.dumps(want))
+        elif stored != want:
+            diffs = [f"{k}: store has {stored.get(k)!r}, config gives {want[k]!r}" for k in want if stored.get(k) != want[k]]
+            raise ConfigError(
+                f"the store at {self.path} keeps probe keys for other settings ({'; '.join(diffs)}); "
+                "use the probe_heads / probe_dtype it was created with"
+            )
+        return ProbeSpec(tuple(q), kv, cfg.probe_dtype, spec.head_dim)
 
     # -- life cycle ------------------------------------------------------------------
     def __enter__(self) -> ImpressStore:
@@ -169,25 +208,56 @@ class ImpressStore:
             self._refresh()
             return self.tree.match(tokens, limit)
 
+    def chunk_tokens_of(self, file_id: int) -> int:
+        return self._open_file(file_id).record.chunk_tokens
+
+    def layout(self, segments: Sequence[Segment]) -> PrefixLayout:
+        """Units (file blocks) holding a matched prefix; see `PrefixLayout`."""
+        return PrefixLayout(segments, self.chunk_tokens_of)
+
+    def read_blocks(self, keys: Sequence[BlockKey]) -> tuple[list[memoryview], int]:
+        """Read blocks ``(file_id, kind, layer, block)`` with coalesced ``preadv``.
+
+        Returns each block's verified bytes (in ``keys`` order) and the bytes read.
+        Raises `CorruptBlockError` naming the file of a missing or damaged block.
+        """
+        self._check_open()
+        requests = []
+        for file_id, kind, layer, block in keys:
+            f = self._open_file(file_id)
+            info = f.blocks.get((kind, layer, block))
+            if info is None:
+                raise CorruptBlockError(f"block {kind}/{layer}/{block} of file {f.path} is not indexed", file_id)
+            requests.append(ReadRequest(file_id, f.path, info.offset, info.nbytes, info.crc32))
+        views, nbytes = self._reader.read(requests)
+        with self._lock:
+            self.counters.bytes_read_disk += nbytes
+            self.counters.blocks_read += len(requests)
+        return views, nbytes
+
+    def kv_block(self, view: memoryview) -> torch.Tensor:
+        """View a K/V block's bytes as ``[2, kv_heads, rows, head_dim]``."""
+        spec = self.spec
+        return torch.frombuffer(view, dtype=spec.torch_kv_dtype).view(2, spec.num_kv_heads, -1, spec.head_dim)
+
     def load(
         self,
         segments: Sequence[Segment],
         layers: Sequence[int] | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> LoadedPrefix:
-        """Read the K/V rows of ``segments`` (a match, possibly cut shorter).
+        """Read every K/V row of ``segments`` (a match, possibly cut shorter).
 
         Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
         Raises `CorruptBlockError` when a block is missing or damaged; the
         caller quarantines the file (`quarantine`) and matches again.
         """
-        self._check_open()
         t0 = time.perf_counter()
         spec = self.spec
         layers = list(range(spec.num_layers)) if layers is None else list(layers)
-        n = sum(seg.length for seg in segments)
-        shape = (len(layers), spec.num_kv_heads, n, spec.head_dim)
+        lay = self.layout(segments)
+        shape = (len(layers), spec.num_kv_heads, lay.length, spec.head_dim)
         if out is None:
             keys = torch.empty(shape, dtype=spec.torch_kv_dtype)
             values = torch.empty(shape, dtype=spec.torch_kv_dtype)
@@ -195,32 +265,26 @@ class ImpressStore:
             keys, values = out
             if tuple(keys.shape) != shape or tuple(values.shape) != shape:
                 raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
-        requests: list[ReadRequest] = []
-        places: list[tuple[int, int, int, int, int]] = []
-        pos = 0
-        for seg in segments:
-            f = self._open_file(seg.file_id)
-            ct = f.record.chunk_tokens
-            r0, r1 = seg.file_row, seg.file_row + seg.length
-            for b in range(r0 // ct, (r1 - 1) // ct + 1):
-                lo, hi = max(r0, b * ct), min(r1, (b + 1) * ct)
-                for li, layer in enumerate(layers):
-                    info = f.blocks.get((layer, b))
-                    if info is None:
-                        raise CorruptBlockError(f"block {layer}/{b} of file {f.path} is not indexed", seg.file_id)
-                    requests.append(ReadRequest(seg.file_id, f.path, info.offset, info.nbytes, info.crc32))
-                    places.append((li, info.rows, lo - b * ct, hi - b * ct, pos + lo - r0))
-            pos += seg.length
-        views, nbytes = self._reader.read(requests)
-        h, d = spec.num_kv_heads, spec.head_dim
-        for view, (li, rows, a, b, dst) in zip(views, places):
-            block = torch.frombuffer(view, dtype=spec.torch_kv_dtype).view(2, h, rows, d)
-            keys[li, :, dst : dst + b - a] = block[0, :, a:b]
-            values[li, :, dst : dst + b - a] = block[1, :, a:b]
-        with self._lock:
-            self.counters.bytes_read_disk += nbytes
-            self.counters.blocks_read += len(requests)
-        return LoadedPrefix(keys, values, nbytes, len(requests), time.perf_counter() - t0, layers)
+        wanted = [(li, u) for li in range(len(layers)) for u in lay.units]
+        views, nbytes = self.read_blocks([(u.file_id, KV, layers[li], u.block) for li, u in wanted])
+        for view, (li, u) in zip(views, wanted):
+            block = self.kv_block(view)
+            rows = slice(u.first_row, u.first_row + u.count)
+            keys[li, :, u.start : u.start + u.count] = block[0, :, rows]
+            values[li, :, u.start : u.start + u.count] = block[1, :, rows]
+        return LoadedPrefix(keys, values, nbytes, len(wanted), time.perf_counter() - t0, layers)
+
+    def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
+        """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""
+        layers = list(range(self.spec.num_layers)) if layers is None else list(layers)
+        rec = self.probe.record_bytes
+        out = [torch.empty((layout.length, rec), dtype=torch.uint8) for _ in layers]
+        wanted = [(li, u) for li in range(len(layers)) for u in layout.units]
+        views, nbytes = self.read_blocks([(u.file_id, PROBE, layers[li], u.block) for li, u in wanted])
+        for view, (li, u) in zip(views, wanted):
+            block = torch.frombuffer(view, dtype=torch.uint8).view(-1, rec)
+            out[li][u.start : u.start + u.count] = block[u.first_row : u.first_row + u.count]
+        return out, nbytes
 
     def _open_file(self, file_id: int) -> _OpenFile:
         with self._lock:
@@ -275,16 +339,22 @@ class ImpressStore:
         dtype = self.spec.torch_kv_dtype
         ks = [k[:, m:].to("cpu", dtype) for k in keys]
         vs = [v[:, m:].to("cpu", dtype) for v in values]
-        blocks = list(iter_blocks(ks, vs, self.config.chunk_tokens))
+        ct = self.config.chunk_tokens
+        blocks = list(iter_blocks(ks, vs, ct))
+        for layer, k in enumerate(ks):
+            raw = probe_codec.encode(k[list(self.probe.kv_heads)], self.probe.encoding)
+            for b, start in enumerate(range(0, raw.shape[0], ct)):
+                part = raw[start : start + ct]
+                blocks.append(BlockData(PROBE, layer, b, part.shape[0], torch.uint8, tuple(part.shape), tensor_bytes(part)))
         fmt = self._formats[FORMATS[self._format_name].suffix]
         name = f"{uuid.uuid4().hex}.{fmt.suffix}"
         final = self.path / CHUNK_DIR / name
         tmp = final.with_name(name + ".tmp")
         meta = {"tokens_from": str(m), "n_tokens": str(len(tokens) - m), "chunk_tokens": str(self.config.chunk_tokens)}
-        infos = fmt.write(tmp, blocks, dtype, meta)
+        infos = fmt.write(tmp, blocks, meta)
         os.replace(tmp, final)
         if self.config.fsync:
-            fsync_dir(final.parent)
+            fsync_path(final.parent)
         with self._lock, self.index.transaction() as conn:
             self._refresh_locked()
             m2 = self.tree.match(tokens).length

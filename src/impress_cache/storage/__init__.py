@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, iter_blocks
+from .base import ALIGN, KV, PROBE, BlockData, BlockInfo, ChunkFormat, iter_blocks
 from .hdf5_format import HDF5Format
 from .reader import BlockReader, ReadRequest
 from .safetensors_format import SafetensorsFormat
@@ -15,6 +15,8 @@ FORMATS: dict[str, type[ChunkFormat]] = {
 
 __all__ = [
     "ALIGN",
+    "KV",
+    "PROBE",
     "BlockData",
     "BlockInfo",
     "BlockReader",

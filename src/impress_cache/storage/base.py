@@ -28,8 +28,13 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True)
 class BlockInfo:
-    """Where one (layer, block) lives inside a chunk file."""
+    """Where one block lives inside a chunk file.
 
+    ``kind`` is ``KV`` for a ``[2, kv_heads, rows, head_dim]`` K/V block and ``PROBE`` for
+    the compact probe-key copy of the same rows.
+    """
+
+    kind: int
     layer: int
     block: int
     rows: int
@@ -38,13 +43,19 @@ class BlockInfo:
     crc32: int
 
 
+KV = 0
+PROBE = 1
+
+
 @dataclass(frozen=True)
 class BlockData:
-    """One block ready to be written: its bytes in ``[2, H, rows, D]`` order."""
+    """One block ready to be written: its raw bytes and how to describe them."""
 
+    kind: int
     layer: int
     block: int
     rows: int
+    dtype: torch.dtype
     shape: tuple[int, ...]
     payload: bytes | memoryview
 
@@ -52,18 +63,26 @@ class BlockData:
     def nbytes(self) -> int:
         return len(self.payload)
 
+    @property
+    def name(self) -> str:
+        return f"{'L' if self.kind == KV else 'P'}{self.layer}.B{self.block}"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
+
 
 def iter_blocks(
     keys: list[torch.Tensor], values: list[torch.Tensor], chunk_tokens: int
 ) -> Iterator[BlockData]:
-    """Cut per-layer ``[H, N, D]`` keys and values into blocks, layer by layer."""
+    """Cut per-layer ``[H, N, D]`` keys and values into K/V blocks, layer by layer."""
     for layer, (k, v) in enumerate(zip(keys, values)):
         n = k.shape[-2]
         for block, start in enumerate(range(0, n, chunk_tokens)):
             end = min(start + chunk_tokens, n)
             kv = torch.stack((k[:, start:end], v[:, start:end])).contiguous()
-            payload = kv.view(torch.uint8).reshape(-1).numpy().data
-            yield BlockData(layer, block, end - start, tuple(kv.shape), payload)
+            yield BlockData(KV, layer, block, end - start, kv.dtype, tuple(kv.shape), tensor_bytes(kv))
 
 
 def crc32(data: bytes | memoryview) -> int:
@@ -76,26 +95,21 @@ class ChunkFormat(ABC):
     #: file-name suffix, also the format's name in the index
     suffix: str = ""
 
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
+
     @abstractmethod
-    def write(
-        self,
-        path: Path,
-        blocks: list[BlockData],
-        dtype: torch.dtype,
-        metadata: dict[str, str],
-    ) -> list[BlockInfo]:
+    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[BlockInfo]:
         """Write ``blocks`` to ``path`` (a new file) and return where each one landed.
 
-        The caller writes to a temporary name and renames it; the format only has to
-        produce a complete file and flush it when ``fsync`` is wanted.
+        Every block must start 4 KiB aligned. The caller writes to a temporary name and
+        renames it; the format only has to produce a complete file and flush it to the
+        device when ``fsync`` is set.
         """
 
 
-def fsync_file(fd: int) -> None:
-    os.fsync(fd)
-
-
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's) data and metadata to the device."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,10 +1,11 @@
 """Chunk files in the safetensors format, laid out for partial reads.
 
-Each (layer, block) is one tensor named ``L{layer}.B{block}``. The JSON header is padded
-with spaces so that the data starts on a 4 KiB boundary, and small ``__pad{i}`` byte
-tensors fill the gaps so that every block starts 4 KiB aligned: the file stays a valid
-safetensors file (``safetensors.torch.load_file`` reads it) while the store reads single
-blocks with ``preadv`` at the offsets recorded in its index.
+Each block is one tensor: ``L{layer}.B{block}`` for K/V blocks (``[2, kv_heads, rows,
+head_dim]``) and ``P{layer}.B{block}`` for probe-key blocks (``uint8 [rows, bytes]``). The
+JSON header is padded with spaces so that the data starts on a 4 KiB boundary, and small
+``__pad{i}`` byte tensors fill the gaps so that every block starts 4 KiB aligned: the file
+stays a valid safetensors file (``safetensors.torch.load_file`` reads it) while the store
+reads single blocks with ``preadv`` at the offsets recorded in its index.
 """
 
 from __future__ import annotations
@@ -16,32 +17,23 @@ from pathlib import Path
 
 import torch
 
-from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, align_up, crc32
+from .base import BlockData, BlockInfo, ChunkFormat, align_up, crc32
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def tensor_name(layer: int, block: int) -> str:
-    return f"L{layer}.B{block}"
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8"}
 
 
 class SafetensorsFormat(ChunkFormat):
     suffix = "safetensors"
 
-    def __init__(self, fsync: bool = True) -> None:
-        self.fsync = fsync
-
-    def write(
-        self, path: Path, blocks: list[BlockData], dtype: torch.dtype, metadata: dict[str, str]
-    ) -> list[BlockInfo]:
-        if dtype not in _DTYPES:
-            raise TypeError(f"safetensors chunk files support {list(_DTYPES)}, not {dtype}")
+    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[BlockInfo]:
         header: dict[str, object] = {"__metadata__": dict(metadata)}
         rel = 0
         placed: list[tuple[BlockData, int]] = []
         for i, blk in enumerate(blocks):
-            header[tensor_name(blk.layer, blk.block)] = {
-                "dtype": _DTYPES[dtype],
+            if blk.dtype not in _DTYPES:
+                raise TypeError(f"safetensors chunk files support {list(_DTYPES)}, not {blk.dtype}")
+            header[blk.name] = {
+                "dtype": _DTYPES[blk.dtype],
                 "shape": list(blk.shape),
                 "data_offsets": [rel, rel + blk.nbytes],
             }
@@ -50,7 +42,6 @@ class SafetensorsFormat(ChunkFormat):
             rel = align_up(end)
             if rel > end and i + 1 < len(blocks):
                 header[f"__pad{i}"] = {"dtype": "U8", "shape": [rel - end], "data_offsets": [end, rel]}
-        data_len = placed[-1][1] + placed[-1][0].nbytes if placed else 0
         raw = json.dumps(header, separators=(",", ":")).encode()
         data_start = align_up(8 + len(raw))
         raw = raw + b" " * (data_start - 8 - len(raw))
@@ -63,8 +54,7 @@ class SafetensorsFormat(ChunkFormat):
                 if f.tell() < pos:
                     f.write(b"\0" * (pos - f.tell()))
                 f.write(blk.payload)
-                infos.append(BlockInfo(blk.layer, blk.block, blk.rows, pos, blk.nbytes, crc32(blk.payload)))
-            assert f.tell() == data_start + data_len
+                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, pos, blk.nbytes, crc32(blk.payload)))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
