@@ -18,32 +18,65 @@ attention mask hides.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import probe as probe_codec
 from .errors import CacheUsageError, CorruptBlockError
+from .layout import PrefixLayout
 from .radix import Match, Segment
+from .sparse import gather_all, select_row
 from .stats import RequestStats, RowStats
-from .store import ImpressStore
+from .storage.base import KV
+from .store import BlockKey, ImpressStore
 
 log = logging.getLogger(__name__)
 
 _MAX_QUARANTINE_RETRIES = 8
 
 
+@dataclass
+class _SparsePlan:
+    """What a sparse prefill needs: ``k`` rows per layer, each row's layout and probe keys."""
+
+    k: int
+    pads: list[int]
+    layouts: list[PrefixLayout | None]
+    probes: list[list[torch.Tensor] | None]
+    repeats: int = 1
+
+    def row_of(self, i: int) -> int:
+        """Original batch row of (possibly expanded) row ``i``."""
+        return i // self.repeats
+
+
+
 class ImpressLayer(DynamicLayer):
     """A dynamic cache layer that starts with stored prefix rows."""
 
-    def __init__(self, prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None, prefix_len: int) -> None:
+    def __init__(
+        self,
+        prefix_keys: torch.Tensor | None,
+        prefix_values: torch.Tensor | None,
+        prefix_len: int,
+        hidden: int = 0,
+    ) -> None:
         super().__init__()
         self._prefix: tuple[torch.Tensor, torch.Tensor] | None = (
             (prefix_keys, prefix_values) if prefix_keys is not None and prefix_len > 0 else None
         )
         self._prefix_len = prefix_len
+        #: prefix rows that are not held (sparse prefill): key index j is position j + hidden
+        self.hidden = hidden
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -54,9 +87,20 @@ class ImpressLayer(DynamicLayer):
         self._prefix = None
 
     def get_seq_length(self) -> int:
+        """Logical length: prefix plus everything after it, held or not."""
         if not self.is_initialized:
             return self._prefix_len
-        return super().get_seq_length()
+        return super().get_seq_length() + self.hidden
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() - self.hidden + query_length, self.hidden
+
+    def restore_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the held prefix rows by the whole prefix (``decode="full"``)."""
+        held = self._prefix_len - self.hidden
+        self.keys = torch.cat([keys.to(self.device, self.dtype), self.keys[:, :, held:]], dim=-2)
+        self.values = torch.cat([values.to(self.device, self.dtype), self.values[:, :, held:]], dim=-2)
+        self.hidden = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.get_seq_length() + tokens_to_remove < self._prefix_len:
@@ -118,18 +162,26 @@ class ImpressCache(Cache):
         self._prompt_checked = False
         self._consumed = 0
         self._written = False
+        self._sparse: _SparsePlan | None = None
+        self._queries: dict[int, torch.Tensor] = {}
+        #: sparse prefill: ``selections[layer][batch_row]`` = prefix positions attended
+        #: (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``)
+        self.selections: dict[int, dict[int, torch.Tensor]] = {}
+        self._memo: dict[BlockKey, memoryview] = {}
+        self._full: Future[tuple[torch.Tensor, torch.Tensor, int]] | None = None
         t0 = time.perf_counter()
         reused, prefix_k, prefix_v = self._load_prefix()
         self.stats.load_seconds = time.perf_counter() - t0
         self._reused = reused
-        n_layers = store.spec.num_layers
+        hidden = reused - self._sparse.k if self._sparse is not None else 0
         layers = [
             ImpressLayer(
                 None if prefix_k is None else prefix_k[i],
                 None if prefix_v is None else prefix_v[i],
                 reused,
+                hidden,
             )
-            for i in range(n_layers)
+            for i in range(store.spec.num_layers)
         ]
         super().__init__(layers=layers)
         _install_hooks(store.model)
@@ -152,6 +204,15 @@ class ImpressCache(Cache):
             self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
             if reused == 0:
                 return 0, None, None
+            k = math.ceil(store.config.important_ratio * reused)
+            if k < reused:
+                try:
+                    self._sparse = self._plan_sparse(matches, pads, reused, k)
+                except CorruptBlockError as exc:
+                    store.quarantine(exc.file_id, str(exc))
+                    self.stats.quarantined_files += 1
+                    continue
+                return reused, None, None
             shape = (spec.num_layers, batch, spec.num_kv_heads, reused, spec.head_dim)
             alloc = torch.zeros if max(pads) > 0 else torch.empty  # padding columns must be zeros
             keys = alloc(shape, dtype=spec.torch_kv_dtype)
@@ -171,20 +232,175 @@ class ImpressCache(Cache):
             return reused, keys, values
         raise CacheUsageError("too many damaged chunk files while loading a prefix; see the log")
 
+    def _plan_sparse(self, matches: list[Match], pads: list[int], reused: int, k: int) -> _SparsePlan:
+        """Read the probe keys of every row's prefix (verified) and plan the prefill."""
+        store = self.store
+        layouts: list[PrefixLayout | None] = []
+        probes: list[list[torch.Tensor] | None] = []
+        for i, m in enumerate(matches):
+            used = reused - pads[i]
+            if used <= 0:
+                layouts.append(None)
+                probes.append(None)
+                continue
+            lay = store.layout(_cut(m, used))
+            raw, nbytes = store.load_probes(lay)
+            self.stats.bytes_read_probe += nbytes
+            self.stats.bytes_read_disk += nbytes
+            layouts.append(lay)
+            probes.append(raw)
+        return _SparsePlan(k, pads, layouts, probes)
+
     # -- transformers hooks ------------------------------------------------------------
+    @property
+    def wants_queries(self) -> bool:
+        """True while a sparse prefill still needs the new tokens' queries."""
+        return self._sparse is not None and not self._written
+
+    def capture_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
+        """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
+        if not self.layers[layer_idx].is_initialized:
+            self._queries[layer_idx] = queries.detach().float()
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if self._sparse is not None and not layer.is_initialized:
+            layer._prefix = self._select_prefix(layer_idx, key_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (
             not self._written
             and layer_idx == len(self.layers) - 1
-            and keys.shape[-2] >= self._ids.shape[1]
+            and layer.get_seq_length() >= self._ids.shape[1]
         ):
             self._written = True
-            if self.store_prompt:
+            if self._sparse is not None:
+                self._finish_sparse_prefill()
+            elif self.store_prompt:
                 self._store_prompt()
         return keys, values
+
+    def _select_prefix(self, layer_idx: int, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick and load this layer's prefix rows for every batch row."""
+        plan = self._sparse
+        assert plan is not None
+        queries = self._queries.pop(layer_idx, None)
+        if queries is None:
+            raise CacheUsageError(
+                f"no queries were captured for layer {layer_idx}; sparse prefix loading needs "
+                "ImpressCache to be used through the model's forward (generate or model(...))"
+            )
+        store, spec, cfg = self.store, self.store.spec, self.store.config
+        batch = key_states.shape[0]
+        shape = (batch, spec.num_kv_heads, plan.k, spec.head_dim)
+        pk = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+        pv = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+        sims, thresholds, fell_back = [], [], False
+        for i in range(batch):
+            src = plan.row_of(i)
+            lay = plan.layouts[src]
+            if lay is None:
+                continue
+            k_i = min(plan.k, lay.length)
+            probe_keys = probe_codec.decode(
+                plan.probes[src][layer_idx], len(store.probe.kv_heads), spec.head_dim, store.probe.encoding
+            )
+
+            def read_units(units: Sequence[int], lay: PrefixLayout = lay) -> tuple[list[torch.Tensor], int]:
+                return self._read_units(lay, layer_idx, units)
+
+            try:
+                if k_i == lay.length:
+                    units = list(range(len(lay.units)))
+                    blocks, nbytes = read_units(units)
+                    sel_k, sel_v = gather_all(lay, blocks)
+                    rows = torch.arange(lay.length)
+                    used = sel_k.numel() * sel_k.element_size() * 2
+                    sim, thr, fb = 1.0, 0.0, False
+                else:
+                    sel = select_row(
+                        queries=queries[i],
+                        new_keys=key_states[i],
+                        probe_keys=probe_keys,
+                        probe_query_heads=store.probe.query_heads,
+                        probe_kv_heads=store.probe.kv_heads,
+                        layout=lay,
+                        k=k_i,
+                        read_units=read_units,
+                        mode=cfg.selection,
+                        alpha=cfg.similarity_alpha,
+                        fixed_threshold=cfg.similarity_threshold,
+                    )
+                    sel_k, sel_v, nbytes, used = sel.keys, sel.values, sel.bytes_read, sel.bytes_used
+                    sim, thr, fb = sel.similarity, sel.threshold, sel.fell_back
+                    rows = sel.rows
+            except CorruptBlockError as exc:
+                store.quarantine(exc.file_id, str(exc))
+                raise CorruptBlockError(
+                    f"{exc}. The file was quarantined; this request cannot recompute those tokens any more. "
+                    "Retry the request: it will recompute them.",
+                    exc.file_id,
+                ) from exc
+            self.selections.setdefault(layer_idx, {})[i] = rows
+            pk[i, :, plan.k - k_i :] = sel_k
+            pv[i, :, plan.k - k_i :] = sel_v
+            self.stats.bytes_read_rows += nbytes
+            self.stats.bytes_read_disk += nbytes
+            self.stats.bytes_used_rows += used
+            if layer_idx == 0:
+                self.stats.loaded_tokens += k_i
+            sims.append(sim)
+            thresholds.append(thr)
+            fell_back |= fb
+        self.stats.layer_similarity.append(sum(sims) / max(1, len(sims)))
+        self.stats.layer_threshold.append(sum(thresholds) / max(1, len(thresholds)))
+        if fell_back:
+            self.stats.fallback_layers.append(layer_idx)
+        return pk, pv
+
+    def _read_units(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int]) -> tuple[list[torch.Tensor], int]:
+        keys = [(lay.units[u].file_id, KV, layer_idx, lay.units[u].block) for u in units]
+        missing = sorted({key for key in keys if key not in self._memo})
+        views, nbytes = self.store.read_blocks(missing)
+        self._memo.update(zip(missing, views))
+        return [self.store.kv_block(self._memo[key]) for key in keys], nbytes
+
+    def _finish_sparse_prefill(self) -> None:
+        """After the prefill: final I/O statistics; start reading the rest of the prefix."""
+        read = self.stats.bytes_read_rows
+        self.stats.invalid_io_ratio = max(0.0, 1.0 - self.stats.bytes_used_rows / read) if read else 0.0
+        if self.store.config.decode == "full":
+            self._full = self.store.fetcher.submit(self._load_full_prefix)
+
+    def _load_full_prefix(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        plan = self._sparse
+        assert plan is not None
+        spec = self.store.spec
+        batch = self._ids.shape[0]
+        shape = (spec.num_layers, batch, spec.num_kv_heads, self._reused, spec.head_dim)
+        keys = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+        values = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+        nbytes = 0
+        for i in range(batch):
+            lay = plan.layouts[plan.row_of(i)]
+            if lay is None:
+                continue
+            pad = self._reused - lay.length
+            loaded = self.store.load(lay.segments, out=(keys[:, i, :, pad:], values[:, i, :, pad:]), memo=self._memo)
+            nbytes += loaded.bytes_read
+        return keys, values, nbytes
+
+    def _restore_full_prefix(self) -> None:
+        """First decode step with ``decode="full"``: attend to the whole prefix from now on."""
+        assert self._full is not None
+        keys, values, nbytes = self._full.result()
+        self._full = None
+        self.stats.bytes_read_decode += nbytes
+        self.stats.bytes_read_disk += nbytes
+        for i, layer in enumerate(self.layers):
+            layer.restore_prefix(keys[i], values[i])
+        self._memo.clear()
 
     def _store_prompt(self) -> None:
         seq = self._ids.shape[1]
@@ -241,6 +457,8 @@ class ImpressCache(Cache):
                     "this ImpressCache already served a request; build a new ImpressCache for every "
                     "generate call (multi-token steps such as assisted decoding are not supported either)"
                 )
+            if self._full is not None:
+                self._restore_full_prefix()
             return
         start = self._reused if self._state == "ready" else self._consumed
         expected = self._ids[:, start : start + q]
@@ -270,6 +488,8 @@ class ImpressCache(Cache):
     def expand(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
         self.batch_repeat_interleave(repeats)
+        if self._sparse is not None:
+            self._sparse.repeats *= repeats
         self._ids = self._ids.repeat_interleave(repeats, 0)
         self._mask = self._mask.repeat_interleave(repeats, 0)
 
@@ -343,6 +563,7 @@ def _install_hooks(model: torch.nn.Module) -> None:
             cache.check_forward(ids, kwargs.get("attention_mask"))
 
     model.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    _install_query_capture(model)
     original = model.prepare_inputs_for_generation
 
     def prepare_inputs_for_generation(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -353,3 +574,51 @@ def _install_hooks(model: torch.nn.Module) -> None:
 
     model.prepare_inputs_for_generation = prepare_inputs_for_generation
     _hooked.add(model)
+
+
+_capture = threading.local()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _install_query_capture(model: torch.nn.Module) -> None:
+    """Hand each layer's post-RoPE queries to an ImpressCache doing a sparse prefill.
+
+    The cache's ``update`` receives keys and values only. A pre-hook on every attention
+    module notes the cache and the rotary ``position_embeddings``; a forward hook on the
+    module that produces the queries (``q_norm`` where the architecture has one, else
+    ``q_proj``) takes its output, applies the rotation and passes it on. Nothing is
+    recomputed, and nothing runs unless a sparse prefill is in progress.
+    """
+    inner = getattr(model, "model", model)
+    for layer in getattr(inner, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "q_proj"):
+            continue
+        source = attn.q_norm if hasattr(attn, "q_norm") else attn.q_proj
+
+        def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            cache = kwargs.get("past_key_values")
+            if isinstance(cache, ImpressCache) and cache.wants_queries:
+                _capture.target = (cache, module.layer_idx, module.head_dim, kwargs.get("position_embeddings"))
+            else:
+                _capture.target = None
+
+        def took(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            target = getattr(_capture, "target", None)
+            if target is None:
+                return
+            cache, layer_idx, head_dim, rope = target
+            _capture.target = None
+            q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
+            if rope is not None:
+                cos, sin = rope
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+                q = q * cos + _rotate_half(q) * sin
+            cache.capture_queries(layer_idx, q)
+
+        attn.register_forward_pre_hook(before, with_kwargs=True)
+        source.register_forward_hook(took)

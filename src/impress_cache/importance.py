@@ -38,6 +38,7 @@ __all__ = [
     "expected_random_jaccard",
     "mean_pairwise_jaccard",
     "select_layer",
+    "select_units",
     "similarity_threshold",
     "sparse_prefix_attention_reference",
     "topk_indices",
@@ -884,3 +885,51 @@ def choose_probe_heads(
     # gives the paper's "first heads of the layer").
     heads.extend(g * group + full_rounds for g in range(rem))
     return sorted(heads)
+
+
+# ---------------------------------------------------------------------------
+# 9. selection over irregular blocks (units of a stored prefix)
+# ---------------------------------------------------------------------------
+
+
+def select_units(scores: Tensor, unit_of: Tensor, k: int) -> Tensor:
+    """Whole-unit selection for prefixes whose blocks have different sizes.
+
+    A stored prefix is split into *units* (the part of one disk block it covers; units
+    at radix-node boundaries can be short). Units are ranked by the sum of their rows'
+    scores (ties: lower unit id first) and taken until at least ``k`` rows are covered;
+    of those rows the ``k`` with the highest scores are returned, so at most one
+    unit's worth of rows is read but not used.
+
+    Parameters
+    ----------
+    scores : Tensor
+        ``[P]`` per-row scores (e.g. summed normalised probe-head scores).
+    unit_of : Tensor
+        ``[P]`` int64 unit id of every row, ids in ``[0, n_units)``.
+    k : int
+        Rows to return, ``1 <= k <= P``.
+
+    Returns
+    -------
+    Tensor
+        ``[k]`` int64 row indices sorted ascending.
+    """
+    if scores.dim() != 1 or unit_of.shape != scores.shape:
+        raise ValueError(f"scores and unit_of must be 1-D of equal length, got {tuple(scores.shape)}, {tuple(unit_of.shape)}")
+    P = scores.shape[0]
+    _check_k(k, P)
+    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    n_units = int(unit_of.max()) + 1
+    sums = torch.zeros(n_units, dtype=torch.float64, device=s.device).scatter_add_(0, unit_of, s)
+    sizes = torch.bincount(unit_of, minlength=n_units)
+    order = _rank_descending(sums)
+    covered = torch.cumsum(sizes[order], dim=0)
+    n_take = int((covered < k).sum()) + 1
+    chosen = torch.zeros(n_units, dtype=torch.bool, device=s.device)
+    chosen[order[:n_take]] = True
+    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
+    if rows.numel() > k:
+        keep = _rank_descending(s[rows])[:k]
+        rows = rows[keep]
+    return torch.sort(rows).values

@@ -33,6 +33,8 @@ class PrefixLayout:
 
     def __init__(self, segments: Sequence[Segment], chunk_tokens_of: Callable[[int], int]) -> None:
         units: list[Unit] = []
+        #: the radix-tree segments this layout was built from
+        self.segments = list(segments)
         pos = 0
         for seg in segments:
             ct = chunk_tokens_of(seg.file_id)

@@ -25,7 +25,13 @@ class RequestStats:
     have a longer stored match than it reuses (``rows[i].stored_match``) because every
     row of a batch reuses the same number of columns.
     ``bytes_read_disk`` counts the bytes this request asked the disk for (chunk
-    blocks, including alignment gaps inside merged reads).
+    blocks, including alignment gaps inside merged reads); with ``important_ratio < 1``
+    it splits into ``bytes_read_probe`` (probe-key copies, before the prefill),
+    ``bytes_read_rows`` (K/V blocks read during the prefill) and ``bytes_read_decode``
+    (the rest of the prefix, read after the prefill when ``decode="full"``).
+    ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
+    (summed over batch rows). ``invalid_io_ratio`` is the share of the prefill's K/V
+    bytes that no attention head used.
     """
 
     matched_tokens: int = 0
@@ -36,6 +42,15 @@ class RequestStats:
     load_seconds: float = 0.0
     quarantined_files: int = 0
     stored_prompts: int = 0
+    loaded_tokens: int = 0
+    bytes_read_probe: int = 0
+    bytes_read_rows: int = 0
+    bytes_read_decode: int = 0
+    bytes_used_rows: int = 0
+    invalid_io_ratio: float = 0.0
+    layer_similarity: list[float] = field(default_factory=list)
+    layer_threshold: list[float] = field(default_factory=list)
+    fallback_layers: list[int] = field(default_factory=list)
     rows: list[RowStats] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

@@ -144,6 +144,8 @@ class ImpressStore:
         self._formats = {cls.suffix: cls(fsync=self.config.fsync) for cls in FORMATS.values()}
         self._reader = BlockReader(threads=self.config.io_threads)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-write")
+        #: background reads that requests start and wait for later (e.g. the rest of a prefix)
+        self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         self._pending: list[Future[None]] = []
         self._files: dict[int, _OpenFile] = {}
         self.counters = StoreCounters()
@@ -182,6 +184,7 @@ class ImpressStore:
             return
         self.flush()
         self._writer.shutdown(wait=True)
+        self.fetcher.shutdown(wait=True)
         self._reader.close()
         self.index.close()
         self._closed = True
@@ -245,11 +248,13 @@ class ImpressStore:
         segments: Sequence[Segment],
         layers: Sequence[int] | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        memo: dict[BlockKey, memoryview] | None = None,
     ) -> LoadedPrefix:
         """Read every K/V row of ``segments`` (a match, possibly cut shorter).
 
         Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
+        Blocks found in ``memo`` (already read by this request) are not read again.
         Raises `CorruptBlockError` when a block is missing or damaged; the
         caller quarantines the file (`quarantine`) and matches again.
         """
@@ -266,13 +271,17 @@ class ImpressStore:
             if tuple(keys.shape) != shape or tuple(values.shape) != shape:
                 raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
         wanted = [(li, u) for li in range(len(layers)) for u in lay.units]
-        views, nbytes = self.read_blocks([(u.file_id, KV, layers[li], u.block) for li, u in wanted])
-        for view, (li, u) in zip(views, wanted):
-            block = self.kv_block(view)
+        keys_of = [(u.file_id, KV, layers[li], u.block) for li, u in wanted]
+        memo = {} if memo is None else memo
+        missing = sorted({key for key in keys_of if key not in memo})
+        views, nbytes = self.read_blocks(missing)
+        memo.update(zip(missing, views))
+        for key, (li, u) in zip(keys_of, wanted):
+            block = self.kv_block(memo[key])
             rows = slice(u.first_row, u.first_row + u.count)
             keys[li, :, u.start : u.start + u.count] = block[0, :, rows]
             values[li, :, u.start : u.start + u.count] = block[1, :, rows]
-        return LoadedPrefix(keys, values, nbytes, len(wanted), time.perf_counter() - t0, layers)
+        return LoadedPrefix(keys, values, nbytes, len(missing), time.perf_counter() - t0, layers)
 
     def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
         """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""

@@ -1,0 +1,177 @@
+"""Sparse prefix loading for one layer and one batch row (IMPRESS "identify, then load").
+
+Given the new tokens' queries, the compact probe keys of a stored prefix and a way to
+read blocks, pick the prefix rows this layer attends to and return their K/V:
+
+1. score prefix rows with the probe query heads (`attention_column_scores`);
+2. per probe head top-k, mean pairwise Jaccard, threshold ``t = j ** alpha``;
+3. agreement: one shared row set (``"token"``: vote; ``"block"``: whole units ranked by
+   summed scores), read only the units holding it;
+4. disagreement: read every unit of the layer, score all heads, and keep each KV head's
+   own top-k.
+
+No transformers here and no file handling: reads go through the ``read_units`` callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .importance import (
+    attention_column_scores,
+    mean_pairwise_jaccard,
+    select_units,
+    similarity_threshold,
+    topk_indices,
+    vote,
+)
+from .layout import PrefixLayout
+
+#: reads units (by index into ``layout.units``) of one layer; returns ``[2, H, rows, D]``
+#: blocks in the same order and the bytes read from disk for them
+ReadUnits = Callable[[Sequence[int]], tuple[list[torch.Tensor], int]]
+
+
+@dataclass
+class RowSelection:
+    """What one layer of one batch row attends to in the prefix."""
+
+    keys: torch.Tensor  # [H, k, D]
+    values: torch.Tensor  # [H, k, D]
+    similarity: float
+    threshold: float
+    fell_back: bool
+    bytes_read: int
+    bytes_used: int
+    #: selected prefix positions: ``[k]`` shared by all heads, or ``[Hkv, k]`` on fallback
+    rows: torch.Tensor
+
+
+def _normalised_sum(scores: torch.Tensor) -> torch.Tensor:
+    """``[H, P]`` -> ``[P]``: each head's scores divided by their sum, summed over heads."""
+    s = scores.to(torch.float64)
+    return (s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30)).sum(dim=0)
+
+
+def _gather(
+    layout: PrefixLayout, units: list[int], blocks: list[torch.Tensor], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows of ``positions`` (sorted ascending) from already-read unit blocks.
+
+    ``positions`` is ``[k]`` (shared by all heads) or ``[H, k]`` (one set per head).
+    """
+    per_head = positions.dim() == 2
+    h = blocks[0].shape[1]
+    d = blocks[0].shape[-1]
+    k = positions.shape[-1]
+    out_k = torch.empty((h, k, d), dtype=blocks[0].dtype)
+    out_v = torch.empty_like(out_k)
+    slot = {u: i for i, u in enumerate(units)}
+    pos2d = positions if per_head else positions.unsqueeze(0).expand(h, k)
+    unit_ids = layout.unit_of[pos2d]  # [H, k]
+    for u in torch.unique(unit_ids).tolist():
+        unit = layout.units[u]
+        block = blocks[slot[u]]
+        for head in range(h) if per_head else (None,):
+            row_sel = unit_ids[head if per_head else 0] == u
+            rows = pos2d[head if per_head else 0][row_sel] - unit.start + unit.first_row
+            if head is None:
+                out_k[:, row_sel] = block[0, :, rows]
+                out_v[:, row_sel] = block[1, :, rows]
+            else:
+                out_k[head, row_sel] = block[0, head, rows]
+                out_v[head, row_sel] = block[1, head, rows]
+    return out_k, out_v
+
+
+def gather_all(layout: PrefixLayout, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of the prefix, from the blocks of all its units (in unit order)."""
+    h, d = blocks[0].shape[1], blocks[0].shape[-1]
+    keys = torch.empty((h, layout.length, d), dtype=blocks[0].dtype)
+    values = torch.empty_like(keys)
+    for unit, block in zip(layout.units, blocks):
+        rows = slice(unit.first_row, unit.first_row + unit.count)
+        keys[:, unit.start : unit.start + unit.count] = block[0, :, rows]
+        values[:, unit.start : unit.start + unit.count] = block[1, :, rows]
+    return keys, values
+
+
+def select_row(
+    *,
+    queries: torch.Tensor,
+    new_keys: torch.Tensor,
+    probe_keys: torch.Tensor,
+    probe_query_heads: Sequence[int],
+    probe_kv_heads: Sequence[int],
+    layout: PrefixLayout,
+    k: int,
+    read_units: ReadUnits,
+    mode: str = "block",
+    alpha: float = 0.6,
+    fixed_threshold: float | None = None,
+) -> RowSelection:
+    """Select and load ``k`` prefix rows of one layer for one batch row.
+
+    Parameters
+    ----------
+    queries:
+        ``[Hq, n, D]`` post-RoPE queries of the new tokens (all query heads).
+    new_keys:
+        ``[Hkv, n, D]`` keys of the new tokens.
+    probe_keys:
+        ``[len(probe_kv_heads), P, D]`` decoded probe keys of the prefix.
+    probe_query_heads, probe_kv_heads:
+        Probe query heads, and the KV heads the probe copy holds.
+    layout:
+        Units of the prefix (``layout.length == P``).
+    k:
+        Rows to keep, ``1 <= k <= P``.
+    read_units:
+        Reads unit blocks of this layer (see `ReadUnits`).
+    mode:
+        ``"token"`` or ``"block"`` construction of the shared set.
+    alpha, fixed_threshold:
+        Threshold ``t = j ** alpha`` unless ``fixed_threshold`` is given.
+    """
+    hq, _, d = queries.shape
+    hkv = new_keys.shape[0]
+    group = hq // hkv
+    p = layout.length
+    kv_slot = {kv: i for i, kv in enumerate(probe_kv_heads)}
+    q_heads = list(probe_query_heads)
+    pk = probe_keys[[kv_slot[h // group] for h in q_heads]]  # [Hp, P, D]
+    nk = new_keys[[h // group for h in q_heads]].float()
+    scores = attention_column_scores(queries[q_heads].unsqueeze(0), pk.unsqueeze(0), nk.unsqueeze(0))[0]
+    threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
+    per_head = topk_indices(scores.unsqueeze(0), k)  # [1, Hp, k]
+    similarity = float(mean_pairwise_jaccard(per_head)[0])
+    itemsize = torch.empty((), dtype=torch.float32).element_size()
+
+    if similarity >= threshold:
+        if mode == "block":
+            rows = select_units(_normalised_sum(scores), layout.unit_of, k)
+        else:
+            rows = vote(scores.unsqueeze(0), k)[0]
+        units = layout.units_for(rows)
+        blocks, nbytes = read_units(units)
+        keys, values = _gather(layout, units, blocks, rows)
+        itemsize = blocks[0].element_size()
+        used = 2 * hkv * k * d * itemsize
+        return RowSelection(keys, values, similarity, threshold, False, nbytes, used, rows)
+
+    # the probe heads disagree: read the whole layer and let every KV head choose
+    units = list(range(len(layout.units)))
+    blocks, nbytes = read_units(units)
+    full_k, _ = gather_all(layout, blocks)
+    all_scores = attention_column_scores(
+        queries.unsqueeze(0), full_k.float().unsqueeze(0), new_keys.float().unsqueeze(0)
+    )[0]  # [Hq, P]
+    kv_scores = all_scores.view(hkv, group, p).sum(dim=1)
+    rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
+    keys, values = _gather(layout, units, blocks, rows)
+    itemsize = blocks[0].element_size()
+    used = 2 * hkv * k * d * itemsize
+    return RowSelection(keys, values, similarity, threshold, True, nbytes, used, rows)
