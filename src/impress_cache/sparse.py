@@ -162,16 +162,35 @@ def select_row(
         used = 2 * hkv * k * d * itemsize
         return RowSelection(keys, values, similarity, threshold, False, nbytes, used, rows)
 
-    # the probe heads disagree: read the whole layer and let every KV head choose
-    units = list(range(len(layout.units)))
-    blocks, nbytes = read_units(units)
-    full_k, _ = gather_all(layout, blocks)
-    all_scores = attention_column_scores(
-        queries.unsqueeze(0), full_k.float().unsqueeze(0), new_keys.float().unsqueeze(0)
-    )[0]  # [Hq, P]
-    kv_scores = all_scores.view(hkv, group, p).sum(dim=1)
-    rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
+    # the probe heads disagree: every KV head chooses its own rows
+    if list(probe_kv_heads) == list(range(hkv)):
+        # the probe copy already holds every KV head's keys: score with it, read only
+        # the union of the heads' choices
+        kv_scores = _kv_head_scores(queries, probe_keys, new_keys)
+        if mode == "block":
+            rows = torch.stack([select_units(kv_scores[h], layout.unit_of, k) for h in range(hkv)])
+        else:
+            rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
+        units = layout.units_for(rows.reshape(-1))
+        blocks, nbytes = read_units(units)
+    else:
+        # read the whole layer to get every KV head's keys
+        units = list(range(len(layout.units)))
+        blocks, nbytes = read_units(units)
+        full_k, _ = gather_all(layout, blocks)
+        kv_scores = _kv_head_scores(queries, full_k.float(), new_keys)
+        rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = _gather(layout, units, blocks, rows)
     itemsize = blocks[0].element_size()
     used = 2 * hkv * k * d * itemsize
     return RowSelection(keys, values, similarity, threshold, True, nbytes, used, rows)
+
+
+def _kv_head_scores(queries: torch.Tensor, prefix_keys: torch.Tensor, new_keys: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, P]`` scores: column sums of every query head, summed within its KV group."""
+    hq = queries.shape[0]
+    hkv, p = prefix_keys.shape[0], prefix_keys.shape[1]
+    scores = attention_column_scores(
+        queries.unsqueeze(0), prefix_keys.float().unsqueeze(0), new_keys.float().unsqueeze(0)
+    )[0]  # [Hq, P]
+    return scores.view(hkv, hq // hkv, p).sum(dim=1)

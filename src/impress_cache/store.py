@@ -32,7 +32,7 @@ from .importance import choose_probe_heads
 from .layout import PrefixLayout
 from .radix import Match, RadixTree, Segment
 from .storage import FORMATS, BlockInfo, BlockReader, ReadRequest, iter_blocks
-from .storage.base import KV, PROBE, BlockData, fsync_path, tensor_bytes
+from .storage.base import KV, PROBE, BlockData, crc32, fsync_path, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -350,17 +350,17 @@ class ImpressStore:
         vs = [v[:, m:].to("cpu", dtype) for v in values]
         ct = self.config.chunk_tokens
         blocks = list(iter_blocks(ks, vs, ct))
-        for layer, k in enumerate(ks):
-            raw = probe_codec.encode(k[list(self.probe.kv_heads)], self.probe.encoding)
-            for b, start in enumerate(range(0, raw.shape[0], ct)):
-                part = raw[start : start + ct]
-                blocks.append(BlockData(PROBE, layer, b, part.shape[0], torch.uint8, tuple(part.shape), tensor_bytes(part)))
+        # each layer's probe copy is one contiguous tensor (no per-block alignment gaps),
+        # indexed below in chunk_tokens pieces so that each piece has its own checksum
+        probes = [probe_codec.encode(k[list(self.probe.kv_heads)], self.probe.encoding) for k in ks]
+        for layer, raw in enumerate(probes):
+            blocks.append(BlockData(PROBE, layer, -1, raw.shape[0], torch.uint8, tuple(raw.shape), tensor_bytes(raw)))
         fmt = self._formats[FORMATS[self._format_name].suffix]
         name = f"{uuid.uuid4().hex}.{fmt.suffix}"
         final = self.path / CHUNK_DIR / name
         tmp = final.with_name(name + ".tmp")
         meta = {"tokens_from": str(m), "n_tokens": str(len(tokens) - m), "chunk_tokens": str(self.config.chunk_tokens)}
-        infos = fmt.write(tmp, blocks, meta)
+        infos = _split_probe_infos(fmt.write(tmp, blocks, meta), probes, ct)
         os.replace(tmp, final)
         if self.config.fsync:
             fsync_path(final.parent)
@@ -486,3 +486,17 @@ def _check_kv(spec: ModelSpec, tokens: tuple[int, ...], keys: list[torch.Tensor]
     for i, (k, v) in enumerate(zip(keys, values)):
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {i}: expected K/V of shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _split_probe_infos(infos: list[BlockInfo], probes: list[torch.Tensor], chunk_tokens: int) -> list[BlockInfo]:
+    """Index each layer's probe tensor in ``chunk_tokens``-row pieces, one checksum each."""
+    out = [i for i in infos if i.kind != PROBE]
+    for info in (i for i in infos if i.kind == PROBE):
+        raw = probes[info.layer]
+        rec = raw.shape[1]
+        for b, start in enumerate(range(0, raw.shape[0], chunk_tokens)):
+            part = raw[start : start + chunk_tokens]
+            out.append(
+                BlockInfo(PROBE, info.layer, b, part.shape[0], info.offset + start * rec, part.numel(), crc32(tensor_bytes(part)))
+            )
+    return out

@@ -65,6 +65,8 @@ class BlockData:
 
     @property
     def name(self) -> str:
+        if self.kind == PROBE and self.block < 0:
+            return f"P{self.layer}"  # a whole layer's probe copy in one tensor
         return f"{'L' if self.kind == KV else 'P'}{self.layer}.B{self.block}"
 
 
