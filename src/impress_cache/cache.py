@@ -307,8 +307,10 @@ class ImpressCache(Cache):
                 plan.probes[src][layer_idx], len(store.probe.kv_heads), spec.head_dim, store.probe.encoding
             )
 
-            def read_units(units: Sequence[int], lay: PrefixLayout = lay) -> tuple[list[torch.Tensor], int]:
-                return self._read_units(lay, layer_idx, units)
+            def read_units(
+                units: Sequence[int], rows: torch.Tensor | None = None, lay: PrefixLayout = lay
+            ) -> tuple[list[torch.Tensor], int]:
+                return self._read_units(lay, layer_idx, units, rows)
 
             try:
                 if k_i == lay.length:
@@ -359,10 +361,20 @@ class ImpressCache(Cache):
             self.stats.fallback_layers.append(layer_idx)
         return pk, pv
 
-    def _read_units(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int]) -> tuple[list[torch.Tensor], int]:
+    def _read_units(
+        self, lay: PrefixLayout, layer_idx: int, units: Sequence[int], rows: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], int]:
+        """Blocks of ``units`` for one layer; ``rows`` are the selected positions (for the
+        blocks' importance shares)."""
         keys = [(lay.units[u].file_id, KV, layer_idx, lay.units[u].block) for u in units]
+        share_of: dict[BlockKey, float] = {}
+        if rows is not None:
+            counts = torch.bincount(lay.unit_of[rows.reshape(-1)], minlength=len(lay.units))
+            per_head = rows.shape[0] if rows.dim() == 2 else 1
+            for u, key in zip(units, keys):
+                share_of[key] = min(1.0, float(counts[u]) / per_head / lay.units[u].count)
         missing = sorted({key for key in keys if key not in self._memo})
-        views, nbytes = self.store.read_blocks(missing)
+        views, nbytes = self.store.read_blocks(missing, [share_of.get(key, 1.0) for key in missing])
         self._memo.update(zip(missing, views))
         return [self.store.kv_block(self._memo[key]) for key in keys], nbytes
 

@@ -30,9 +30,10 @@ from .importance import (
 )
 from .layout import PrefixLayout
 
-#: reads units (by index into ``layout.units``) of one layer; returns ``[2, H, rows, D]``
+#: reads units (by index into ``layout.units``) of one layer, given the selected positions
+#: (``[k]`` or ``[H, k]``, for the blocks' importance shares); returns ``[2, H, rows, D]``
 #: blocks in the same order and the bytes read from disk for them
-ReadUnits = Callable[[Sequence[int]], tuple[list[torch.Tensor], int]]
+ReadUnits = Callable[[Sequence[int], torch.Tensor], tuple[list[torch.Tensor], int]]
 
 
 @dataclass
@@ -156,7 +157,7 @@ def select_row(
         else:
             rows = vote(scores.unsqueeze(0), k)[0]
         units = layout.units_for(rows)
-        blocks, nbytes = read_units(units)
+        blocks, nbytes = read_units(units, rows)
         keys, values = _gather(layout, units, blocks, rows)
         itemsize = blocks[0].element_size()
         used = 2 * hkv * k * d * itemsize
@@ -172,11 +173,11 @@ def select_row(
         else:
             rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
         units = layout.units_for(rows.reshape(-1))
-        blocks, nbytes = read_units(units)
+        blocks, nbytes = read_units(units, rows)
     else:
         # read the whole layer to get every KV head's keys
         units = list(range(len(layout.units)))
-        blocks, nbytes = read_units(units)
+        blocks, nbytes = read_units(units, None)
         full_k, _ = gather_all(layout, blocks)
         kv_scores = _kv_head_scores(queries, full_k.float(), new_keys)
         rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]

@@ -218,9 +218,13 @@ class ImpressStore:
         """Units (file blocks) holding a matched prefix; see `PrefixLayout`."""
         return PrefixLayout(segments, self.chunk_tokens_of)
 
-    def read_blocks(self, keys: Sequence[BlockKey]) -> tuple[list[memoryview], int]:
+    def read_blocks(
+        self, keys: Sequence[BlockKey], shares: Sequence[float] | None = None
+    ) -> tuple[list[memoryview], int]:
         """Read blocks ``(file_id, kind, layer, block)`` with coalesced ``preadv``.
 
+        ``shares`` gives, per key, the fraction of the block's rows the request attends
+        to (its importance share; ``None`` means all rows).
         Returns each block's verified bytes (in ``keys`` order) and the bytes read.
         Raises `CorruptBlockError` naming the file of a missing or damaged block.
         """
