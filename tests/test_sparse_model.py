@@ -50,7 +50,7 @@ def _masked_reference(model, ids, mask2d, reused, selected_per_row, kv_heads):
 def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
     model = tiny_model(arch, "eager", num_hidden_layers=1)
     a, b = _tok(1, 200), _tok(2, 150)
-    cfg_dense = ImpressConfig(chunk_tokens=16)
+    cfg_dense = ImpressConfig(chunk_tokens=16, important_ratio=1.0)
     with ImpressStore(tmp_path, model, cfg_dense) as store:
         assert_same_as_uncached(model, store, a.unsqueeze(0))
         assert_same_as_uncached(model, store, b.unsqueeze(0))
@@ -89,7 +89,7 @@ def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
 def test_fallback_selects_per_head_and_still_runs(tmp_path):
     model = tiny_model("llama", "sdpa")
     doc = _tok(5, 256)
-    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16)) as store:
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
         assert_same_as_uncached(model, store, doc.unsqueeze(0))
     q = torch.cat([doc, _tok(6, 10)]).unsqueeze(0)
     # a threshold of 1.0 can only be met by identical probe sets: random heads disagree
@@ -110,7 +110,7 @@ def test_fallback_selects_per_head_and_still_runs(tmp_path):
 def test_full_decode_reads_the_rest_after_prefill(tmp_path):
     model = tiny_model("llama", "sdpa")
     doc = _tok(7, 512)
-    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16)) as store:
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
         assert_same_as_uncached(model, store, doc.unsqueeze(0))
     q = torch.cat([doc, _tok(8, 10)]).unsqueeze(0)
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full")

@@ -23,7 +23,7 @@ from impress_cache import (
 )
 from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
 
-CFG = ImpressConfig(chunk_tokens=16)
+CFG = ImpressConfig(chunk_tokens=16, important_ratio=1.0)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -128,7 +128,7 @@ _CRASH = textwrap.dedent(
     elif where == "before_commit":
         ix.Index.add_file = lambda *a, **k: os._exit(3)
     model = tiny_model("llama")
-    store = ImpressStore({path!r}, model, ImpressConfig(chunk_tokens=16))
+    store = ImpressStore({path!r}, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0))
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 256, (1, 80), generator=g)
     model.generate(ids, past_key_values=ImpressCache(store, ids), max_new_tokens=2, do_sample=False)

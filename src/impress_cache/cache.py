@@ -34,7 +34,7 @@ from . import probe as probe_codec
 from .errors import CacheUsageError, CorruptBlockError
 from .layout import PrefixLayout
 from .radix import Match, Segment
-from .sparse import gather_all, select_row
+from .sparse import BASELINES, gather_all, select_row
 from .stats import RequestStats, RowStats
 from .storage.base import KV
 from .store import BlockKey, ImpressStore
@@ -194,6 +194,7 @@ class ImpressCache(Cache):
         rows = [self._ids[i, pads[i]:].tolist() for i in range(batch)]
         for _ in range(_MAX_QUARANTINE_RETRIES):
             matches = [store.match(toks, limit=len(toks) - 1) for toks in rows]
+            self._lease = store.lease(matches)  # no disk eviction of these prefixes while the cache lives
             reused = min(p + m.length for p, m in zip(pads, matches))
             self.stats = RequestStats(quarantined_files=self.stats.quarantined_files)
             self.stats.reused_columns = reused
@@ -205,6 +206,10 @@ class ImpressCache(Cache):
             if reused == 0:
                 return 0, None, None
             k = math.ceil(store.config.important_ratio * reused)
+            if store.config.selection == "block":
+                # whole blocks are read anyway: use every row of them
+                ct = store.config.chunk_tokens
+                k = min(reused, math.ceil(k / ct) * ct)
             if k < reused:
                 try:
                     self._sparse = self._plan_sparse(matches, pads, reused, k)
@@ -244,10 +249,13 @@ class ImpressCache(Cache):
                 probes.append(None)
                 continue
             lay = store.layout(_cut(m, used))
+            layouts.append(lay)
+            if store.config.selection in BASELINES:
+                probes.append(None)  # baselines do not probe
+                continue
             raw, nbytes = store.load_probes(lay)
             self.stats.bytes_read_probe += nbytes
             self.stats.bytes_read_disk += nbytes
-            layouts.append(lay)
             probes.append(raw)
         return _SparsePlan(k, pads, layouts, probes)
 
@@ -303,8 +311,11 @@ class ImpressCache(Cache):
             if lay is None:
                 continue
             k_i = min(plan.k, lay.length)
-            probe_keys = probe_codec.decode(
-                plan.probes[src][layer_idx], len(store.probe.kv_heads), spec.head_dim, store.probe.encoding
+            raw = plan.probes[src]
+            probe_keys = (
+                None
+                if raw is None
+                else probe_codec.decode(raw[layer_idx], len(store.probe.kv_heads), spec.head_dim, store.probe.encoding)
             )
 
             def read_units(
@@ -325,7 +336,6 @@ class ImpressCache(Cache):
                         queries=queries[i],
                         new_keys=key_states[i],
                         probe_keys=probe_keys,
-                        probe_query_heads=store.probe.query_heads,
                         probe_kv_heads=store.probe.kv_heads,
                         layout=lay,
                         k=k_i,
@@ -333,6 +343,7 @@ class ImpressCache(Cache):
                         mode=cfg.selection,
                         alpha=cfg.similarity_alpha,
                         fixed_threshold=cfg.similarity_threshold,
+                        seed=layer_idx,
                     )
                     sel_k, sel_v, nbytes, used = sel.keys, sel.values, sel.bytes_read, sel.bytes_used
                     sim, thr, fb = sel.similarity, sel.threshold, sel.fell_back

@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .policies import POLICIES
 
-_SELECTIONS = ("token", "block")
+_SELECTIONS = ("token", "block", "random", "recent", "h2o")
 _DECODES = ("full", "keep")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -26,21 +27,26 @@ class ImpressConfig:
         Tokens per disk block. All K and V rows of one layer and one block are stored
         contiguously, so this is the unit of disk I/O. The paper uses 64.
     important_ratio:
-        Share of a reused prefix whose K/V is loaded for the prefill of new tokens.
-        ``1.0`` loads the whole prefix and reproduces uncached generation exactly.
+        Share of a reused prefix whose K/V is loaded for the prefill of new tokens
+        (default 0.25, the paper's setting). ``1.0`` loads the whole prefix and
+        reproduces uncached generation exactly.
     probe_heads:
         Query heads per layer used to find the important prefix tokens. They are taken
         from different KV groups; the store keeps a compact copy of their KV heads' keys.
     probe_dtype:
-        Encoding of that probe-key copy: ``"int8"`` (default), ``"int4"`` or
-        ``"float16"``. Fixed when a store is created.
+        Encoding of that probe-key copy: ``"int4"`` (default), ``"int8"`` or
+        ``"float16"``. Fixed when a store is created. See the fidelity benchmark for
+        what each costs in bytes and selection quality.
     similarity_alpha:
         Exponent of the probe-head agreement threshold ``t = j ** alpha``.
     similarity_threshold:
         Fixed threshold that overrides ``similarity_alpha`` when set.
     selection:
-        ``"token"`` (top-k rows, read the blocks holding them) or ``"block"`` (rank
-        whole blocks by their summed probe scores).
+        ``"block"`` (default: rank whole blocks by their summed probe scores and take
+        blocks until ``k`` rows are covered) or ``"token"`` (top-k rows, read the blocks
+        holding them). ``"random"``, ``"recent"`` (sinks + most recent rows) and ``"h2o"``
+        (read all keys, top-k by accumulated attention) are same-budget baselines for
+        benchmarks.
     decode:
         ``"full"`` decodes against the whole prefix, ``"keep"`` against the selected
         rows only.
@@ -49,23 +55,42 @@ class ImpressConfig:
         what exact reuse needs.
     io_threads:
         Threads issuing ``preadv`` requests in parallel (requests in flight).
-    device_bytes, host_bytes, disk_bytes:
-        Byte budgets of the device tier, the host tier and the store on disk
-        (``None``: unbounded disk).
+    device_bytes, host_bytes:
+        Byte budgets of the two memory tiers that cache K/V blocks: the device tier
+        (on the model's device; on a CPU-only machine a separately budgeted CPU
+        cache) and the host tier (CPU memory, pinned when CUDA is available). ``0``
+        disables a tier.
+    disk_bytes:
+        Byte budget of the chunk files on disk (``None``: unbounded). After a write
+        that takes the store over it, whole stored prefixes (radix-tree leaves) with
+        the lowest value are removed, never one in use.
     policy:
-        Eviction policy of the memory tiers: ``"score"``, ``"lru"`` or ``"lfu"``.
+        Eviction policy of the memory tiers, a name registered in
+        ``impress_cache.policies.POLICIES``: ``"score"`` (IMPRESS: decayed access
+        frequency x important share), ``"lru"`` or ``"lfu"``.
     tier_shares:
         Shares of each memory tier preallocated to high, medium and low importance
         blocks.
     fsync:
         Flush chunk files and the directory to the device before a write is
         committed to the index. Turning it off trades crash safety for speed.
+    half_life_s:
+        Half-life, in seconds, of the access frequency of the ``"score"`` policy:
+        every access adds 1 and the sum halves every ``half_life_s`` seconds, so a
+        block that was hot long ago cannot keep its place forever. ``None`` disables
+        the decay (plain access counts, as in the paper). Ignored by ``"lru"`` and
+        ``"lfu"``.
+    stats_interval_s:
+        Block statistics (frequency, importance share, last access) are written to the
+        index on `flush`, on `close` and, while requests run, at most every
+        ``stats_interval_s`` seconds (in the background). ``None``: only on flush and
+        close.
     """
 
     chunk_tokens: int = 64
-    important_ratio: float = 1.0
+    important_ratio: float = 0.25
     probe_heads: int = 3
-    probe_dtype: str = "int8"
+    probe_dtype: str = "int4"
     similarity_alpha: float = 0.6
     similarity_threshold: float | None = None
     selection: str = "block"
@@ -80,6 +105,8 @@ class ImpressConfig:
         default_factory=lambda: {"high": 0.3, "medium": 0.5, "low": 0.2}
     )
     fsync: bool = True
+    half_life_s: float | None = 600.0
+    stats_interval_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         _check_int(self, "chunk_tokens", 1, 1 << 16)
@@ -110,8 +137,11 @@ class ImpressConfig:
         _check_int(self, "host_bytes", 0, None)
         if self.disk_bytes is not None:
             _check_int(self, "disk_bytes", 1, None)
-        if not isinstance(self.policy, str) or not self.policy:
-            raise ConfigError(f"policy must be a policy name, got {self.policy!r}")
+        if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
+            raise ConfigError(
+                f"policy must be one of {', '.join(map(repr, sorted(POLICIES)))} "
+                f"(the names registered in impress_cache.policies.POLICIES), got {self.policy!r}"
+            )
         shares = self.tier_shares
         if set(shares) != {"high", "medium", "low"} or any(
             not isinstance(v, (int, float)) or v < 0 for v in shares.values()
@@ -122,6 +152,16 @@ class ImpressConfig:
             )
         if abs(sum(shares.values()) - 1.0) > 1e-6:
             raise ConfigError(f"tier_shares must sum to 1, got {sum(shares.values())}")
+        for name in ("half_life_s", "stats_interval_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not float(value) > 0.0
+            ):
+                raise ConfigError(
+                    f"{name} must be None or a positive number of seconds, got {value!r}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""

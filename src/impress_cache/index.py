@@ -56,7 +56,23 @@ CREATE TABLE IF NOT EXISTS nodes (
     last_access REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS nodes_by_file ON nodes (file_id);
+CREATE TABLE IF NOT EXISTS block_stats (
+    file_id INTEGER NOT NULL,
+    kind INTEGER NOT NULL,
+    layer INTEGER NOT NULL,
+    block INTEGER NOT NULL,
+    count INTEGER NOT NULL,
+    freq REAL NOT NULL,
+    share REAL NOT NULL,
+    age_s REAL NOT NULL,
+    seq INTEGER NOT NULL,
+    saved_at REAL NOT NULL,
+    PRIMARY KEY (file_id, kind, layer, block)
+) WITHOUT ROWID;
 """
+
+#: ``(file_id, kind, layer, block)`` of a block
+BlockKey = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -177,6 +193,8 @@ class Index:
         return {(r[0], r[1], r[2]): BlockInfo(*r) for r in rows}
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
+        """Forget a file, its blocks and their statistics (inside a transaction)."""
+        conn.execute("DELETE FROM block_stats WHERE file_id=?", (file_id,))
         conn.execute("DELETE FROM blocks WHERE file_id=?", (file_id,))
         conn.execute("DELETE FROM files WHERE id=?", (file_id,))
 
@@ -189,6 +207,56 @@ class Index:
     def total_bytes(self) -> int:
         with self._lock:
             return int(self._conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM files").fetchone()[0])
+
+    # -- block statistics (cold start of the memory tiers) ------------------------------
+    def save_block_stats(self, records: dict[BlockKey, dict[str, Any]], saved_at: float) -> int:
+        """Upsert per-block statistics in one transaction; blocks of unknown files are skipped.
+
+        ``records`` maps a block key to a policy record (``count``, ``freq``, ``share``,
+        ``age_s``, ``seq``) as of ``saved_at`` (wall-clock seconds). Returns the number
+        of rows written.
+        """
+        rows = [
+            (
+                int(k[0]), int(k[1]), int(k[2]), int(k[3]),
+                int(r.get("count", 0)), float(r.get("freq", 0.0)), float(r.get("share", 1.0)),
+                float(r.get("age_s", 0.0)), int(r.get("seq", 0)), float(saved_at), int(k[0]),
+            )
+            for k, r in records.items()
+        ]
+        if not rows:
+            return 0
+        with self.transaction() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR REPLACE INTO block_stats(file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at) "
+                "SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM files WHERE id=?)",
+                rows,
+            )
+            return conn.total_changes - before
+
+    def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
+        """Every saved block statistic whose file is still in the index.
+
+        Each record has ``count``, ``freq``, ``share``, ``age_s``, ``seq`` and
+        ``saved_at`` (wall-clock seconds of the save).
+        """
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT s.file_id, s.kind, s.layer, s.block, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at "
+                "FROM block_stats s JOIN files f ON f.id = s.file_id"
+            ).fetchall()
+        return [
+            (
+                (r[0], r[1], r[2], r[3]),
+                {"count": r[4], "freq": r[5], "share": r[6], "age_s": r[7], "seq": r[8], "saved_at": r[9]},
+            )
+            for r in rows
+        ]
+
+    def delete_block_stats(self, conn: sqlite3.Connection, file_id: int) -> None:
+        """Forget the statistics of every block of a file (inside a transaction)."""
+        conn.execute("DELETE FROM block_stats WHERE file_id=?", (file_id,))
 
     # -- nodes -----------------------------------------------------------------------
     def put_node(self, conn: sqlite3.Connection, node: RadixNode) -> None:

@@ -1,21 +1,28 @@
 """ImpressStore: the persistent prefix KV store on disk.
 
 It ties together the SQLite index (`index`), the radix tree
-(`radix`) and the chunk-file formats (`storage`).
-It knows nothing about ``generate``: `ImpressCache` asks it
-for the longest stored prefix of a prompt, for those rows' K/V, and hands it the K/V of
-new prompts to keep.
+(`radix`), the chunk-file formats (`storage`) and the memory
+tiers (`tiers`). It knows nothing about ``generate``:
+`ImpressCache` asks it for the longest stored prefix of a prompt, for
+those rows' K/V, and hands it the K/V of new prompts to keep.
+
+Every block read goes through `ImpressStore.read_blocks`: the device tier, then the
+host tier, then the disk (see ``docs/tiers.md``). K/V blocks and probe-key blocks are
+both cached; a probe block always counts as fully important (every row is used).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +37,20 @@ from .model_info import ModelSpec, model_spec
 from . import probe as probe_codec
 from .importance import choose_probe_heads
 from .layout import PrefixLayout
-from .radix import Match, RadixTree, Segment
+from .policies import make_policy
+from .radix import Match, RadixNode, RadixTree, Segment
 from .storage import FORMATS, BlockInfo, BlockReader, ReadRequest, iter_blocks
 from .storage.base import KV, PROBE, BlockData, crc32, fsync_path, tensor_bytes
+from .tiers import DEVICE, HOST, TierManager
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.sqlite"
 CHUNK_DIR = "chunks"
 QUARANTINE_DIR = "quarantine"
+#: seconds after a match during which disk eviction leaves the matched nodes alone
+#: (covers the moment between `ImpressStore.match` and `ImpressStore.lease`)
+MATCH_GRACE_S = 5.0
 
 
 @dataclass
@@ -79,6 +91,67 @@ class StoreCounters:
     write_seconds: float = 0.0
 
 
+#: where a block lookup was served from
+SOURCES = (DEVICE, HOST, "disk")
+
+
+def _zero_sources() -> dict[str, dict[str, list[int]]]:
+    return {kind: {src: [0, 0] for src in SOURCES} for kind in ("kv", "probe")}
+
+
+@dataclass
+class TierCounters:
+    """Importance-aware I/O counters of `ImpressStore.read_blocks` (see `ImpressStore.stats`)."""
+
+    #: ``served[kind][source] = [blocks, bytes]``, kind ``"kv"`` or ``"probe"``
+    served: dict[str, dict[str, list[int]]] = field(default_factory=_zero_sources)
+    decode_blocks: int = 0
+    important_rows_needed: float = 0.0
+    important_rows_device: float = 0.0
+    important_rows_host: float = 0.0
+    kv_bytes_read_disk: int = 0
+    kv_bytes_unattended: float = 0.0
+    decode_bytes_read_disk: int = 0
+    probe_bytes_read_disk: int = 0
+    prefixes_evicted: int = 0
+    files_evicted: int = 0
+    disk_bytes_evicted: int = 0
+
+
+class PrefixLease:
+    """Protects the radix nodes of matched prefixes from disk eviction until released.
+
+    Returned by `ImpressStore.lease`. `release` (or garbage collection of the lease)
+    drops the references; calling it twice is harmless.
+    """
+
+    def __init__(self, store: ImpressStore, node_ids: Sequence[int]) -> None:
+        #: ids of the nodes whose ``lock_ref`` this lease holds (one reference each)
+        self.node_ids = tuple(node_ids)
+        self._finalizer = weakref.finalize(self, _release_nodes, weakref.ref(store), self.node_ids)
+
+    @property
+    def active(self) -> bool:
+        """Whether the lease still holds its references."""
+        return self._finalizer.alive
+
+    def release(self) -> None:
+        """Drop the references (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> PrefixLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _release_nodes(store_ref: Callable[[], ImpressStore | None], node_ids: tuple[int, ...]) -> None:
+    store = store_ref()
+    if store is not None:
+        store._unlock_nodes(node_ids)
+
+
 @dataclass
 class LoadedPrefix:
     """K/V rows of one matched prefix: ``keys[layer]`` is ``[kv_heads, tokens, head_dim]``."""
@@ -107,10 +180,20 @@ class ImpressStore:
     storage_format:
         ``"safetensors"`` (default) or ``"hdf5"`` for chunk files written from now on.
         Files of both formats can live in one store.
+    clock:
+        Monotonic clock in seconds used by the memory tiers' policy (recency, score
+        decay, statistics' ages). ``time.monotonic`` by default; simulations and tests
+        inject their own.
 
     Notes
     -----
-    The store is a context manager; `close` waits for pending writes.
+    The store is a context manager; `close` waits for pending writes and saves the
+    block statistics of the memory tiers.
+
+    Blocks (K/V and probe keys) are cached in two memory tiers (`tiers`, a
+    `TierManager`) with the budgets ``config.device_bytes`` and ``config.host_bytes``
+    and the policy ``config.policy``; see `read_blocks`. ``config.disk_bytes`` bounds
+    the chunk files (`enforce_disk_budget`).
     """
 
     def __init__(
@@ -119,6 +202,8 @@ class ImpressStore:
         model: torch.nn.Module,
         config: ImpressConfig | None = None,
         storage_format: str = "safetensors",
+        *,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config if config is not None else ImpressConfig()
         if not isinstance(self.config, ImpressConfig):
@@ -148,11 +233,54 @@ class ImpressStore:
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         self._pending: list[Future[None]] = []
         self._files: dict[int, _OpenFile] = {}
+        #: name of every file whose blocks the memory tiers may hold (detects reused ids)
+        self._known_files: dict[int, str] = {}
         self.counters = StoreCounters()
+        self.tier_counters = TierCounters()
         self._closed = False
+        self.tiers = self._make_tiers(clock)
+        self._dirty: set[BlockKey] = set()
+        self._stats_saved_at = self.tiers.now()
+        self._matched_at: dict[int, float] = {}
         self.tree: RadixTree = self.index.load_tree()
         self._remove_orphans()
-        log.info("opened store %s: %d nodes, %d files", self.path, len(self.tree), len(self.index.files()))
+        loaded = self._load_block_stats()
+        log.info(
+            "opened store %s: %d nodes, %d files, statistics of %d blocks",
+            self.path, len(self.tree), len(self.index.files()), loaded,
+        )
+
+    def _make_tiers(self, clock: Callable[[], float] | None) -> TierManager:
+        cfg = self.config
+        kwargs: dict[str, Any] = {}
+        if cfg.policy.lower() == "score":
+            kwargs["half_life_s"] = cfg.half_life_s
+        policy = make_policy(cfg.policy, **kwargs)
+        try:
+            device = next(self.model.parameters()).device
+        except StopIteration:
+            device = torch.device("cpu")
+        self.device = device
+        pin = torch.cuda.is_available()
+        self._pin_host = pin
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=pin)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            host = t.to("cpu")
+            return host.pin_memory() if pin and not host.is_pinned() else host
+
+        return TierManager(
+            cfg.device_bytes,
+            cfg.host_bytes,
+            policy,
+            class_shares=cfg.tier_shares,
+            clock=clock if clock is not None else time.monotonic,
+            to_device=to_device,
+            to_host=to_host,
+            disk_to_device=True,
+        )
 
     def _probe_spec(self) -> ProbeSpec:
         spec, cfg = self.spec, self.config
@@ -179,25 +307,31 @@ class ImpressStore:
         self.close()
 
     def close(self) -> None:
-        """Finish pending writes and release files. Safe to call twice."""
+        """Finish pending writes, save block statistics and release files. Safe to call twice."""
         if self._closed:
             return
         self.flush()
         self._writer.shutdown(wait=True)
         self.fetcher.shutdown(wait=True)
+        self.save_block_stats()
         self._reader.close()
         self.index.close()
         self._closed = True
 
     def flush(self) -> None:
-        """Block until every prompt handed to `put_async` is on disk and indexed."""
+        """Block until every prompt handed to `put_async` is on disk and indexed.
+
+        Also saves the statistics of the blocks read since the last save (see
+        `save_block_stats`).
+        """
         while True:
             with self._lock:
                 pending, self._pending = self._pending, []
             if not pending:
-                return
+                break
             for fut in pending:
                 fut.result()
+        self.save_block_stats()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -205,11 +339,59 @@ class ImpressStore:
 
     # -- lookups ---------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
-        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens)."""
+        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens).
+
+        The matched nodes are safe from disk eviction for `MATCH_GRACE_S` seconds;
+        take a `lease` to keep them for longer.
+        """
         self._check_open()
         with self._lock:
             self._refresh()
-            return self.tree.match(tokens, limit)
+            m = self.tree.match(tokens, limit)
+            now = time.monotonic()
+            if len(self._matched_at) > 4 * len(self.tree) + 1024:
+                self._matched_at = {k: t for k, t in self._matched_at.items() if now - t < MATCH_GRACE_S}
+            for seg in m.segments:
+                self._matched_at[seg.node.id] = now
+            return m
+
+    def lease(self, matches: Iterable[Match]) -> PrefixLease:
+        """Protect matched prefixes from disk eviction while a request uses them.
+
+        Every node of every match gets one reference (``lock_ref``); nodes with
+        references are never removed by the disk budget. `ImpressCache` holds a lease
+        for as long as the cache object lives.
+
+        Parameters
+        ----------
+        matches:
+            Results of `match`.
+
+        Returns
+        -------
+        PrefixLease
+            Release it (or drop it) when the request is done.
+        """
+        ids: list[int] = []
+        with self._lock:
+            for m in matches:
+                for seg in m.segments:
+                    try:
+                        node = self.tree.node(seg.node.id)
+                    except KeyError:
+                        continue  # removed meanwhile; nothing to protect
+                    node.lock_ref += 1
+                    ids.append(node.id)
+        return PrefixLease(self, ids)
+
+    def _unlock_nodes(self, node_ids: Iterable[int]) -> None:
+        with self._lock:
+            for node_id in node_ids:
+                try:
+                    node = self.tree.node(node_id)
+                except KeyError:
+                    continue
+                node.lock_ref = max(0, node.lock_ref - 1)
 
     def chunk_tokens_of(self, file_id: int) -> int:
         return self._open_file(file_id).record.chunk_tokens
@@ -219,46 +401,191 @@ class ImpressStore:
         return PrefixLayout(segments, self.chunk_tokens_of)
 
     def read_blocks(
-        self, keys: Sequence[BlockKey], shares: Sequence[float] | None = None
-    ) -> tuple[list[memoryview], int]:
-        """Read blocks ``(file_id, kind, layer, block)`` with coalesced ``preadv``.
+        self,
+        keys: Sequence[BlockKey],
+        shares: Sequence[float | None] | None = None,
+        *,
+        decode: bool = False,
+    ) -> tuple[list[memoryview | torch.Tensor], int]:
+        """Read blocks ``(file_id, kind, layer, block)``: memory tiers first, then disk.
 
-        ``shares`` gives, per key, the fraction of the block's rows the request attends
-        to (its importance share; ``None`` means all rows).
-        Returns each block's verified bytes (in ``keys`` order) and the bytes read.
-        Raises `CorruptBlockError` naming the file of a missing or damaged block.
+        Each distinct block is looked up in the device tier, then in the host tier; the
+        misses are read from disk with coalesced ``preadv`` (checksums verified) and
+        offered to the tiers (`TierManager.put_from_disk`). Each distinct block counts
+        one access (`TierManager.touch`) with its importance share, and all of them
+        are pinned in memory while the call runs. K/V blocks (kind ``KV``) and
+        probe-key blocks (kind ``PROBE``) are cached alike.
+
+        Parameters
+        ----------
+        keys:
+            Blocks to read; duplicates are read (and counted) once.
+        shares:
+            Per key, the fraction of the block's rows the request attends to (its
+            importance share, in ``[0, 1]``); ``None`` (for all or one key) means all
+            rows. Probe blocks are always fully used (1.0).
+        decode:
+            The K/V blocks are read only to decode after a sparse prefill that did not
+            select them: their accesses are recorded with share 0 and they are
+            excluded from the importance metrics (important-KV hit rate, invalid I/O).
+
+        Returns
+        -------
+        list of memoryview or torch.Tensor, int
+            Each block (in ``keys`` order) and the bytes really read from disk (0 when
+            every block was in memory). Blocks come as tensors (the tier's copy on a
+            hit: do not modify it) or, when both memory budgets are 0, as the
+            verified bytes. Pass K/V blocks to `kv_block`.
+
+        Raises
+        ------
+        CorruptBlockError
+            Naming the file of a missing or damaged block.
         """
         self._check_open()
-        requests = []
-        for file_id, kind, layer, block in keys:
-            f = self._open_file(file_id)
-            info = f.blocks.get((kind, layer, block))
-            if info is None:
-                raise CorruptBlockError(f"block {kind}/{layer}/{block} of file {f.path} is not indexed", file_id)
-            requests.append(ReadRequest(file_id, f.path, info.offset, info.nbytes, info.crc32))
-        views, nbytes = self._reader.read(requests)
-        with self._lock:
-            self.counters.bytes_read_disk += nbytes
-            self.counters.blocks_read += len(requests)
-        return views, nbytes
+        keys = list(keys)
+        if shares is not None and len(shares) != len(keys):
+            raise ValueError(f"shares must have one entry per key: {len(shares)} shares for {len(keys)} keys")
+        infos = [self._block_info(key) for key in keys]
+        out: list[memoryview | torch.Tensor | None] = [None] * len(keys)
+        first: dict[BlockKey, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        tiers = self.tiers
+        cache = self.config.device_bytes > 0 or self.config.host_bytes > 0
+        share_of = {i: self._share(shares, i, decode and keys[i][1] == KV, keys[i][1]) for i in sorted(first.values())}
+        served: dict[int, str] = {}
+        disk: list[int] = []
+        pinned: list[BlockKey] = []
+        nbytes = 0
+        try:
+            for i in share_of:
+                tiers.pin(keys[i])
+                pinned.append(keys[i])
+            for i, share in share_of.items():
+                key = keys[i]
+                tiers.touch(key, share)
+                # the tier it is found in (a host hit may be promoted by get); the block
+                # is pinned, so it cannot leave memory in between
+                found = tiers.tier_of(key)
+                hit = tiers.get(key, infos[i][1].nbytes)
+                if hit is None:
+                    disk.append(i)
+                else:
+                    served[i] = found or hit[0]
+                    out[i] = hit[1]
+            requests = [
+                ReadRequest(keys[i][0], infos[i][0], infos[i][1].offset, infos[i][1].nbytes, infos[i][1].crc32)
+                for i in disk
+            ]
+            views, nbytes = self._reader.read(requests) if requests else ([], 0)
+            for i, view in zip(disk, views):
+                if not cache:
+                    out[i] = view
+                    continue
+                payload = self._host_copy(view, keys[i][1])
+                tiers.put_from_disk(keys[i], payload, payload.numel() * payload.element_size(), share_of[i])
+                out[i] = payload
+        finally:
+            for key in pinned:
+                tiers.unpin(key)
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                out[i] = out[first[key]]
+        self._account(keys, infos, share_of, served, disk, nbytes, decode)
+        self._maybe_save_stats()
+        return out, nbytes  # type: ignore[return-value]
 
-    def kv_block(self, view: memoryview) -> torch.Tensor:
-        """View a K/V block's bytes as ``[2, kv_heads, rows, head_dim]``."""
+    @staticmethod
+    def _share(shares: Sequence[float | None] | None, i: int, decode: bool, kind: int) -> float:
+        if decode:
+            return 0.0
+        if kind != KV or shares is None or shares[i] is None:
+            return 1.0
+        share = float(shares[i])  # type: ignore[arg-type]
+        return 1.0 if math.isnan(share) else min(1.0, max(0.0, share))
+
+    def _block_info(self, key: BlockKey) -> tuple[Path, BlockInfo]:
+        file_id, kind, layer, block = key
+        f = self._open_file(file_id)
+        info = f.blocks.get((kind, layer, block))
+        if info is None:
+            raise CorruptBlockError(f"block {kind}/{layer}/{block} of file {f.path} is not indexed", file_id)
+        return f.path, info
+
+    def _host_copy(self, view: memoryview, kind: int) -> torch.Tensor:
+        """A block's bytes as an owned tensor (K/V dtype for K/V blocks; pinned with CUDA)."""
+        src = torch.frombuffer(view, dtype=torch.uint8)
+        dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=self._pin_host)
+        dst.copy_(src)
+        return dst.view(self.spec.torch_kv_dtype) if kind == KV else dst
+
+    def _account(
+        self,
+        keys: list[BlockKey],
+        infos: list[tuple[Path, BlockInfo]],
+        share_of: dict[int, float],
+        served: dict[int, str],
+        disk: list[int],
+        nbytes: int,
+        decode: bool,
+    ) -> None:
+        with self._lock:
+            c, t = self.counters, self.tier_counters
+            c.bytes_read_disk += nbytes
+            c.blocks_read += len(disk)
+            for i, share in share_of.items():
+                info = infos[i][1]
+                is_kv = keys[i][1] == KV
+                source = served.get(i, "disk")
+                cell = t.served["kv" if is_kv else "probe"][source]
+                cell[0] += 1
+                cell[1] += info.nbytes
+                self._dirty.add(keys[i])
+                if not is_kv:
+                    if source == "disk":
+                        t.probe_bytes_read_disk += info.nbytes
+                    continue
+                if decode:
+                    t.decode_blocks += 1
+                    if source == "disk":
+                        t.decode_bytes_read_disk += info.nbytes
+                    continue
+                important = share * info.rows
+                t.important_rows_needed += important
+                if source == DEVICE:
+                    t.important_rows_device += important
+                elif source == HOST:
+                    t.important_rows_host += important
+                else:
+                    t.kv_bytes_read_disk += info.nbytes
+                    t.kv_bytes_unattended += info.nbytes * (1.0 - share)
+
+    def kv_block(self, block: memoryview | torch.Tensor) -> torch.Tensor:
+        """View a K/V block (bytes or tensor from `read_blocks`) as ``[2, kv_heads, rows, head_dim]``."""
         spec = self.spec
-        return torch.frombuffer(view, dtype=spec.torch_kv_dtype).view(2, spec.num_kv_heads, -1, spec.head_dim)
+        if isinstance(block, torch.Tensor):
+            t = block if block.dtype == spec.torch_kv_dtype else block.view(torch.uint8).view(spec.torch_kv_dtype)
+        else:
+            t = torch.frombuffer(block, dtype=spec.torch_kv_dtype)
+        return t.view(2, spec.num_kv_heads, -1, spec.head_dim)
 
     def load(
         self,
         segments: Sequence[Segment],
         layers: Sequence[int] | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
-        memo: dict[BlockKey, memoryview] | None = None,
+        memo: dict[BlockKey, memoryview | torch.Tensor] | None = None,
+        decode: bool | None = None,
     ) -> LoadedPrefix:
         """Read every K/V row of ``segments`` (a match, possibly cut shorter).
 
         Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
         Blocks found in ``memo`` (already read by this request) are not read again.
+        ``decode`` marks the reads as decode-only (see `read_blocks`); by default it is
+        true exactly when a ``memo`` is given, i.e. when the request already read its
+        important blocks during a sparse prefill and now fetches the rest.
         Raises `CorruptBlockError` when a block is missing or damaged; the
         caller quarantines the file (`quarantine`) and matches again.
         """
@@ -276,9 +603,11 @@ class ImpressStore:
                 raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
         wanted = [(li, u) for li in range(len(layers)) for u in lay.units]
         keys_of = [(u.file_id, KV, layers[li], u.block) for li, u in wanted]
+        if decode is None:
+            decode = memo is not None
         memo = {} if memo is None else memo
         missing = sorted({key for key in keys_of if key not in memo})
-        views, nbytes = self.read_blocks(missing)
+        views, nbytes = self.read_blocks(missing, decode=decode)
         memo.update(zip(missing, views))
         for key, (li, u) in zip(keys_of, wanted):
             block = self.kv_block(memo[key])
@@ -295,7 +624,8 @@ class ImpressStore:
         wanted = [(li, u) for li in range(len(layers)) for u in layout.units]
         views, nbytes = self.read_blocks([(u.file_id, PROBE, layers[li], u.block) for li, u in wanted])
         for view, (li, u) in zip(views, wanted):
-            block = torch.frombuffer(view, dtype=torch.uint8).view(-1, rec)
+            raw = view if isinstance(view, torch.Tensor) else torch.frombuffer(view, dtype=torch.uint8)
+            block = raw.view(-1, rec)
             out[li][u.start : u.start + u.count] = block[u.first_row : u.first_row + u.count]
         return out, nbytes
 
@@ -308,6 +638,11 @@ class ImpressStore:
                     raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
                 f = _OpenFile(record, self.path / CHUNK_DIR / record.name, self.index.blocks(file_id))
                 self._files[file_id] = f
+                known = self._known_files.get(file_id)
+                if known is not None and known != record.name:
+                    # the id was reused for a new file: blocks cached for the old one are stale
+                    self._forget_files({file_id})
+                self._known_files[file_id] = record.name
             return f
 
     # -- writes ----------------------------------------------------------------------
@@ -386,12 +721,21 @@ class ImpressStore:
                 _, upper, leaf = self.tree.insert(tokens, file_id, file_row_of_first_new=m2 - m)
                 self._persist_insert(conn, upper, leaf, tokens)
             except BaseException:
-                self.tree = self.index.load_tree()
+                self._reload_tree_locked()
                 raise
+        # a new block has statistics from the start (LRU: written counts as used)
+        for info in infos:
+            if info.kind == KV:
+                self.tiers.seed((file_id, KV, info.layer, info.block), 1.0)
         self.counters.prompts_written += 1
         self.counters.tokens_written += len(tokens) - m
         self.counters.bytes_written += sum(i.nbytes for i in infos)
         self.counters.write_seconds += time.perf_counter() - t0
+        if self.config.disk_bytes is not None:
+            try:
+                self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))
+            except Exception:
+                log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
 
     def _persist_insert(self, conn: Any, upper: Any, leaf: Any, tokens: tuple[int, ...]) -> None:
         if upper is not None:
@@ -413,14 +757,33 @@ class ImpressStore:
     def _refresh_locked(self) -> None:
         """Reload the tree if another process changed the index."""
         if self.index.changed_elsewhere():
-            locks = {n.id: n.lock_ref for n in self.tree.nodes() if n.lock_ref}
-            self.tree = self.index.load_tree()
-            for node_id, ref in locks.items():
-                try:
-                    self.tree.node(node_id).lock_ref = ref
-                except KeyError:
-                    pass
+            self._reload_tree_locked()
             self._files.clear()
+            current = {f.id: f.name for f in self.index.files()}
+            stale = {fid for fid, name in self._known_files.items() if current.get(fid) != name}
+            if stale:
+                self._forget_files(stale)
+
+    def _reload_tree_locked(self) -> None:
+        """Rebuild the tree from the index, keeping the references of nodes still there."""
+        locks = {n.id: n.lock_ref for n in self.tree.nodes() if n.lock_ref}
+        self.tree = self.index.load_tree()
+        for node_id, ref in locks.items():
+            try:
+                self.tree.node(node_id).lock_ref = ref
+            except KeyError:
+                pass
+
+    def _forget_files(self, file_ids: set[int]) -> None:
+        """Drop everything the memory tiers know about blocks of deleted files."""
+        if not file_ids:
+            return
+        with self._lock:
+            self.tiers.drop_where(lambda key: key[0] in file_ids)
+            self._dirty = {k for k in self._dirty if k[0] not in file_ids}
+            for fid in file_ids:
+                self._known_files.pop(fid, None)
+                self._files.pop(fid, None)
 
     def quarantine(self, file_id: int, reason: str) -> None:
         """Move a damaged chunk file aside and forget every prefix that needs it.
@@ -448,6 +811,7 @@ class ImpressStore:
                 self._files.pop(fid, None)
                 if rec is not None and fid != file_id:
                     (self.path / CHUNK_DIR / rec.name).unlink(missing_ok=True)
+            self._forget_files(set(unreferenced) | {file_id})
             if record is not None:
                 qdir = self.path / QUARANTINE_DIR
                 qdir.mkdir(exist_ok=True)
@@ -468,19 +832,327 @@ class ImpressStore:
                 log.info("removing unindexed file %s (left by an interrupted write)", p.name)
                 p.unlink(missing_ok=True)
 
+    # -- disk budget -----------------------------------------------------------------
+    def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
+        """Remove the least valuable stored prefixes until the store fits ``disk_bytes``.
+
+        Called automatically after each write that adds a chunk file. Candidates are
+        the radix-tree leaves (whole stored prefixes, or their unshared tails) that are
+        not in use: no `lease` reference, not matched in the last `MATCH_GRACE_S`
+        seconds, no block pinned in memory, and not in ``protect``. The value of a
+        leaf is the mean policy priority (`tiers.priority`: IMPRESS score, recency
+        or access count) of its K/V blocks; the lowest goes first. All removals happen
+        in one index transaction; then chunk files no node references any more are
+        deleted. A file shared with nodes that stay is kept (its bytes are freed once
+        its last node goes).
+
+        Parameters
+        ----------
+        protect:
+            Node ids that must stay (the prefix just written).
+
+        Returns
+        -------
+        dict
+            ``removed_prefixes``, ``removed_files``, ``freed_bytes``,
+            ``disk_bytes`` (after) and ``budget``.
+        """
+        self._check_open()
+        budget = self.config.disk_bytes
+        result = {"removed_prefixes": 0, "removed_files": 0, "freed_bytes": 0}
+        if budget is None:
+            return {**result, "disk_bytes": self.disk_bytes(), "budget": -1}
+        protected = set(protect)
+        removed_files: list[FileRecord] = []
+        with self._lock:
+            self._refresh_locked()
+            if self.index.total_bytes() <= budget:
+                return {**result, "disk_bytes": self.index.total_bytes(), "budget": budget}
+            now = time.monotonic()
+            values: dict[int, float] = {}
+            try:
+                with self.index.transaction() as conn:
+                    while self.index.total_bytes() > budget:
+                        candidates = [n for n in self.tree.nodes() if self._evictable(n, protected, now)]
+                        if not candidates:
+                            log.warning(
+                                "the store holds %d bytes, over disk_bytes=%d, but every remaining "
+                                "prefix is in use or was just written",
+                                self.index.total_bytes(), budget,
+                            )
+                            break
+                        for n in candidates:
+                            if n.id not in values:
+                                values[n.id] = self._node_value(n)
+                        victim = min(candidates, key=lambda n: (values[n.id], n.id))
+                        self.tree.remove(victim)
+                        self.index.delete_node(conn, victim.id)
+                        result["removed_prefixes"] += 1
+                        for fid in self.index.unreferenced_files(conn):
+                            rec = self.index.file(fid)
+                            self.index.delete_file(conn, fid)
+                            if rec is not None:
+                                removed_files.append(rec)
+            except BaseException:
+                self._reload_tree_locked()
+                raise
+            self._forget_files({rec.id for rec in removed_files})
+            for rec in removed_files:
+                (self.path / CHUNK_DIR / rec.name).unlink(missing_ok=True)
+            result["removed_files"] = len(removed_files)
+            result["freed_bytes"] = sum(rec.nbytes for rec in removed_files)
+            t = self.tier_counters
+            t.prefixes_evicted += result["removed_prefixes"]
+            t.files_evicted += result["removed_files"]
+            t.disk_bytes_evicted += result["freed_bytes"]
+            after = self.index.total_bytes()
+        if result["removed_prefixes"]:
+            log.info(
+                "disk budget: removed %d prefix node(s) and %d file(s), freed %d bytes; %d of %d bytes used",
+                result["removed_prefixes"], result["removed_files"], result["freed_bytes"], after, budget,
+            )
+        return {**result, "disk_bytes": after, "budget": budget}
+
+    def _node_kv_keys(self, node: RadixNode) -> list[BlockKey]:
+        """K/V blocks (all layers) holding the rows of one node."""
+        ct = self.chunk_tokens_of(node.file_id)
+        r0, r1 = node.file_row, node.file_row + len(node.tokens)
+        blocks = range(r0 // ct, (r1 - 1) // ct + 1)
+        return [(node.file_id, KV, layer, b) for layer in range(self.spec.num_layers) for b in blocks]
+
+    def _node_value(self, node: RadixNode) -> float:
+        try:
+            keys = self._node_kv_keys(node)
+        except CorruptBlockError:
+            return -math.inf  # its file is gone: nothing worth keeping
+        return sum(self.tiers.priority(k) for k in keys) / max(1, len(keys))
+
+    def _evictable(self, node: RadixNode, protected: set[int], now: float) -> bool:
+        if node.children or node.lock_ref > 0 or node.id in protected:
+            return False
+        if now - self._matched_at.get(node.id, -math.inf) < MATCH_GRACE_S:
+            return False
+        try:
+            keys = self._node_kv_keys(node)
+        except CorruptBlockError:
+            return True
+        return not any(self.tiers.pin_count(k) for k in keys)
+
+    # -- block statistics (cold start) -----------------------------------------------
+    def save_block_stats(self) -> int:
+        """Write the statistics of the blocks accessed since the last save to the index.
+
+        Runs on `flush`, on `close` and every ``config.stats_interval_s`` seconds while
+        blocks are read. Each record holds the access count, the (decayed) frequency,
+        the importance share, the age of the last access and the access sequence
+        number; `ImpressStore` reloads them when it opens the store.
+
+        Returns
+        -------
+        int
+            Number of block records written.
+        """
+        with self._lock:
+            self._stats_saved_at = self.tiers.now()
+            if not self._dirty or self._closed:
+                return 0
+            dirty, self._dirty = self._dirty, set()
+            records = self.tiers.export_stats(dirty)
+            return self.index.save_block_stats(records, time.time())
+
+    def _maybe_save_stats(self) -> None:
+        interval = self.config.stats_interval_s
+        if interval is None or self._closed:
+            return
+        if self.tiers.now() - self._stats_saved_at < interval:
+            return
+        self._stats_saved_at = self.tiers.now()
+        try:
+            self._writer.submit(self._save_stats_quietly)
+        except RuntimeError:
+            pass  # shutting down: close() saves them
+
+    def _save_stats_quietly(self) -> None:
+        try:
+            self.save_block_stats()
+        except Exception:
+            log.warning("saving block statistics failed; they will be saved on the next flush", exc_info=True)
+
+    def _load_block_stats(self) -> int:
+        """Install the saved block statistics in the policy (ages include the downtime)."""
+        rows = self.index.load_block_stats()
+        if not rows:
+            return 0
+        now = self.tiers.now()
+        wall = time.time()
+        records: dict[BlockKey, dict[str, Any]] = {}
+        for key, rec in rows:
+            down = max(0.0, wall - float(rec["saved_at"]))
+            records[key] = {
+                "count": rec["count"],
+                "freq": rec["freq"],
+                "share": min(1.0, max(0.0, float(rec["share"]))),
+                "seq": rec["seq"],
+                "freq_time": now - down,
+                "last_access": now - down - float(rec["age_s"]),
+            }
+        return self.tiers.import_stats(records, now=None)
+
+    # -- warm-up ---------------------------------------------------------------------
+    def warmup(self, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
+        """Pre-populate block statistics and the memory tiers from known prompts.
+
+        Each prompt is matched against the store and every K/V block of its stored
+        prefix is read through `read_blocks` (one access per block, with the block's
+        current average importance share, 1.0 if unknown), so the blocks enter the
+        memory tiers within their budgets and the policy has statistics for them.
+
+        Parameters
+        ----------
+        prompts:
+            Token id sequences (lists, tuples, 1-D tensors or ``[1, n]`` tensors) or,
+            with ``tokenizer``, strings.
+        tokenizer:
+            A Hugging Face tokenizer for string prompts (``tokenizer(prompt)["input_ids"]``).
+
+        Returns
+        -------
+        dict
+            ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
+            ``bytes_read_disk``.
+        """
+        self._check_open()
+        summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
+        for prompt in prompts:
+            tokens = _as_tokens(prompt, tokenizer)
+            m = self.match(tokens)
+            if m.length == 0:
+                continue
+            with self.lease([m]):
+                lay = self.layout(m.segments)
+                for layer in range(self.spec.num_layers):
+                    keys = sorted({(u.file_id, KV, layer, u.block) for u in lay.units})
+                    shares = [self.tiers.importance_share(k) for k in keys]
+                    _, nbytes = self.read_blocks(keys, shares)
+                    summary["blocks"] += len(keys)
+                    summary["bytes_read_disk"] += nbytes
+            summary["prompts"] += 1
+            summary["matched_tokens"] += m.length
+        log.info("warm-up: %s", summary)
+        return summary
+
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
         """Bytes of K/V in chunk files referenced by the index."""
         return self.index.total_bytes()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this store since it was opened."""
+        """Counters of this store since it was opened (or since `reset_stats`).
+
+        Returns
+        -------
+        dict
+            Write and read totals: ``prompts_written``, ``tokens_written``,
+            ``bytes_written``, ``bytes_read_disk`` (bytes really read from disk, K/V
+            and probe blocks, including alignment gaps of merged reads),
+            ``blocks_read`` (blocks read from disk), ``quarantined_files``,
+            ``write_seconds``, ``nodes``, ``files``, ``disk_bytes``.
+
+            Block lookups by `read_blocks`, per kind: ``lookups["kv"]`` and
+            ``lookups["probe"]`` each hold ``blocks`` and ``bytes`` looked up and, per
+            source (``"device"``, ``"host"``, ``"disk"``), ``blocks``, ``bytes``,
+            ``hit_ratio`` (blocks served / blocks looked up) and ``byte_hit_ratio``; the
+            three sources add up to 1. ``kv_blocks_accessed`` and
+            ``kv_bytes_accessed`` repeat the K/V totals.
+
+            Memory tiers (both kinds together): ``policy``;
+            ``tiers``: per tier (``"device"``, ``"host"``) ``hits``, ``misses``,
+            ``hit_ratio`` (hits / lookups), ``hit_bytes``, ``miss_bytes``,
+            ``byte_hit_ratio``, ``evictions``, ``evicted_bytes``, ``used_bytes``,
+            ``budget``, ``blocks``, ``class_bytes``; ``"memory"`` the same for both
+            tiers together (its misses are disk reads); ``promotions``,
+            ``bytes_promoted`` (host to device), ``demotions``, ``bytes_demoted``
+            (device to host), ``bytes_moved_between_tiers`` (their sum),
+            ``admissions_from_disk``, ``bytes_admitted_from_disk``,
+            ``admissions_refused``, ``removals``, ``pinned_blocks``.
+
+            Importance (prefill reads; decode-only reads excluded):
+            ``important_rows_needed`` (sum over K/V block accesses of share x rows),
+            ``important_rows_device`` / ``_host`` / ``_disk``,
+            ``important_kv_hit_rate`` (rows served by a memory tier / rows needed),
+            ``important_kv_device_hit_rate``, ``important_kv_host_hit_rate``,
+            ``invalid_io_ratio`` (K/V bytes read from disk that the request does not
+            attend to, from the shares, over K/V bytes read from disk),
+            ``kv_bytes_read_disk``, ``decode_bytes_read_disk``,
+            ``probe_bytes_read_disk`` (block sizes, without gaps).
+
+            Disk budget: ``disk_budget`` (``None``: unbounded), ``prefixes_evicted``,
+            ``files_evicted``, ``disk_bytes_evicted``.
+        """
         out = dict(self.counters.__dict__)
         out.update(nodes=len(self.tree), files=len(self.index.files()), disk_bytes=self.disk_bytes())
+        tiers = self.tiers.stats()
+        tiers["bytes_moved_between_tiers"] = tiers["bytes_promoted"] + tiers["bytes_demoted"]
+        with self._lock:
+            t = copy.deepcopy(self.tier_counters)
+        need = t.important_rows_needed
+        mem = t.important_rows_device + t.important_rows_host
+        lookups: dict[str, Any] = {}
+        for kind, per_source in t.served.items():
+            blocks = sum(v[0] for v in per_source.values())
+            size = sum(v[1] for v in per_source.values())
+            lookups[kind] = {"blocks": blocks, "bytes": size}
+            for src, (b, n) in per_source.items():
+                lookups[kind][src] = {
+                    "blocks": b,
+                    "bytes": n,
+                    "hit_ratio": b / blocks if blocks else 0.0,
+                    "byte_hit_ratio": n / size if size else 0.0,
+                }
+        out.update(
+            policy=self.tiers.policy.name,
+            tiers=tiers,
+            lookups=lookups,
+            kv_blocks_accessed=lookups["kv"]["blocks"],
+            kv_bytes_accessed=lookups["kv"]["bytes"],
+            important_rows_needed=need,
+            important_rows_device=t.important_rows_device,
+            important_rows_host=t.important_rows_host,
+            important_rows_disk=max(0.0, need - mem),
+            important_kv_hit_rate=mem / need if need else 0.0,
+            important_kv_device_hit_rate=t.important_rows_device / need if need else 0.0,
+            important_kv_host_hit_rate=t.important_rows_host / need if need else 0.0,
+            invalid_io_ratio=t.kv_bytes_unattended / t.kv_bytes_read_disk if t.kv_bytes_read_disk else 0.0,
+            kv_bytes_read_disk=t.kv_bytes_read_disk,
+            decode_bytes_read_disk=t.decode_bytes_read_disk,
+            probe_bytes_read_disk=t.probe_bytes_read_disk,
+            disk_budget=self.config.disk_bytes,
+            prefixes_evicted=t.prefixes_evicted,
+            files_evicted=t.files_evicted,
+            disk_bytes_evicted=t.disk_bytes_evicted,
+        )
         return out
 
     def reset_stats(self) -> None:
-        self.counters = StoreCounters()
+        """Zero the counters of `stats` (tier residency and block statistics stay)."""
+        with self._lock:
+            self.counters = StoreCounters()
+            self.tier_counters = TierCounters()
+        self.tiers.reset_stats()
+
+
+def _as_tokens(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("warmup got a string prompt; pass tokenizer=... or token ids")
+        return [int(t) for t in tokenizer(prompt)["input_ids"]]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise ValueError(f"warmup takes one prompt per item: 1-D or [1, n] token tensors, got shape {tuple(prompt.shape)}")
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]
 
 
 def _check_kv(spec: ModelSpec, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

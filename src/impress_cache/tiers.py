@@ -67,7 +67,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -375,6 +375,106 @@ class TierManager:
             entry = self._where.get(key)
             if entry is not None:
                 self._reposition(entry, self._now())
+
+    # ================================================================== statistics access
+    def now(self) -> float:
+        """Current reading of the manager's clock, in seconds."""
+        return self._now()
+
+    def priority(self, key: Hashable) -> float:
+        """The policy's eviction priority of a block now (lower goes first)."""
+        with self._lock:
+            return float(self._policy.priority(key, self._now()))
+
+    def importance_share(self, key: Hashable) -> float:
+        """The policy's moving average of the block's important share (1.0 if unknown)."""
+        with self._lock:
+            return float(self._policy.importance_share(key))
+
+    def has_stats(self, key: Hashable) -> bool:
+        """Whether the policy holds statistics for the block."""
+        with self._lock:
+            return key in self._policy
+
+    def seed(self, key: Hashable, important_share: float | None = None) -> bool:
+        """Create statistics for a block without counting an access (see ``policy.seed``).
+
+        Returns
+        -------
+        bool
+            True when statistics were created (False if the block already had some).
+        """
+        with self._lock:
+            created = self._policy.seed(key, self._now(), important_share)
+            if created and key in self._where:
+                self._reposition(self._where[key], self._now())
+            return created
+
+    def export_stats(
+        self, keys: Iterable[Hashable] | None = None
+    ) -> dict[Hashable, dict[str, Any]]:
+        """Statistics of blocks, rebased to the current clock (see ``policy.stats_of``).
+
+        Parameters
+        ----------
+        keys:
+            Blocks to export; ``None`` exports every block the policy knows. Blocks
+            without statistics are skipped.
+
+        Returns
+        -------
+        dict
+            ``key -> record`` with ``freq`` decayed to now and ``age_s`` (seconds since
+            the last access), so the records do not depend on the clock's origin.
+        """
+        with self._lock:
+            now = self._now()
+            wanted = self._policy.keys() if keys is None else keys
+            return {k: self._policy.stats_of(k, now) for k in wanted if k in self._policy}
+
+    def import_stats(
+        self, records: Mapping[Hashable, Mapping[str, Any]], now: float | None = None
+    ) -> int:
+        """Install statistics (as from `export_stats`) and re-key resident blocks.
+
+        Parameters
+        ----------
+        records:
+            ``key -> record``; see ``policy.load_stats``.
+        now:
+            Passed to ``policy.load_stats``: with a clock value, ``freq`` is taken as of
+            that time and ``last_access = now - age_s``; with ``None`` the records'
+            ``freq_time`` and ``last_access`` are used as given (already in this
+            manager's clock).
+
+        Returns
+        -------
+        int
+            Number of records installed.
+        """
+        with self._lock:
+            for key, rec in records.items():
+                self._policy.load_stats(key, rec, now)
+                entry = self._where.get(key)
+                if entry is not None:
+                    self._reposition(entry, self._now())
+            return len(records)
+
+    def drop_where(self, predicate: Callable[[Hashable], bool]) -> int:
+        """Forget every block whose key satisfies ``predicate``: memory, pins, statistics.
+
+        For blocks whose disk copy is gone (for example a deleted chunk file).
+
+        Returns
+        -------
+        int
+            Number of blocks removed from memory.
+        """
+        with self._lock:
+            keys = {k for k in self._where if predicate(k)}
+            keys.update(k for k in self._policy.keys() if predicate(k))
+            keys.update(k for k in self._pins if predicate(k))
+            return sum(self.drop(k, force=True) for k in keys)
 
     # ================================================================== pins
     def pin(self, key: Hashable) -> int:
