@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.models import load_smollm2
-from impress_cache.store import CHUNK_DIR
+from impress_cache.store import drop_page_cache
 
 QUESTION = {
     "prose": "\n\nQuestion: In two sentences, what is the text above about?\nAnswer:",
@@ -68,16 +68,6 @@ def corpus_tokens(tok: Any, kind: str, n: int, offset: int = 0) -> list[int]:
     if len(ids) < n:
         raise RuntimeError(f"{kind} corpus has only {len(ids)} tokens, {n} wanted")
     return ids[:n]
-
-
-def drop_page_cache(store_dir: Path) -> None:
-    for f in (store_dir / CHUNK_DIR).iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # -- one configuration -----------------------------------------------------------------

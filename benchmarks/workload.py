@@ -59,7 +59,7 @@ import torch
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.models import load_smollm2
 from impress_cache.storage.base import KV
-from impress_cache.store import CHUNK_DIR, INDEX_NAME
+from impress_cache.store import CHUNK_DIR, INDEX_NAME, drop_page_cache
 
 log = logging.getLogger("workload")
 
@@ -209,15 +209,6 @@ def clone_store(base: Path, dst: Path) -> None:
             shutil.copy2(base / name, dst / name)
     for f in (base / CHUNK_DIR).iterdir():
         os.link(f, dst / CHUNK_DIR / f.name)
-
-
-def drop_page_cache(path: Path) -> None:
-    for f in (path / CHUNK_DIR).iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _ttft(model: torch.nn.Module, ids: torch.Tensor, store: ImpressStore | None) -> float:

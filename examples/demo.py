@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.models import load_smollm2
 from impress_cache.progress import prefill_progress
-from impress_cache.store import CHUNK_DIR
+from impress_cache.store import drop_page_cache
 
 TOPICS = ("assignment", "raise", "augassign")
 QUESTIONS = (
@@ -101,17 +101,6 @@ def ask(model: Any, tok: Any, doc: str, question: str, store: ImpressStore | Non
         "load_s": round(s.load_seconds, 3) if s else 0.0,
         "answer": answer,
     }
-
-
-def drop_page_cache(store_dir: Path) -> None:
-    """Evict the store's chunk files from this machine's page cache (guest-cold reads)."""
-    for f in (store_dir / CHUNK_DIR).iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def child(store_dir: str, question: str, max_new: int) -> None:

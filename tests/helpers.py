@@ -45,3 +45,12 @@ def assert_same_as_uncached(model, store: ImpressStore, ids, mask=None, sample_s
     assert err <= atol, f"max logit error {err} > {atol}"
     store.flush()
     return cache
+
+
+def store_dense(path, model, doc: torch.Tensor, config=None, new_tokens=8) -> None:
+    """Store ``doc`` (``[1, n]``) with exact reuse checked; ``config`` defaults to 16-token chunks."""
+    from impress_cache import ImpressConfig
+
+    config = config if config is not None else ImpressConfig(chunk_tokens=16, important_ratio=1.0)
+    with ImpressStore(path, model, config) as store:
+        assert_same_as_uncached(model, store, doc, new_tokens=new_tokens)

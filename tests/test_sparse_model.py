@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from helpers import assert_same_as_uncached, left_pad, run
+from helpers import assert_same_as_uncached, left_pad, run, store_dense
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 
 NEW = 12
@@ -89,8 +89,7 @@ def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
 def test_fallback_selects_per_head_and_still_runs(tmp_path):
     model = tiny_model("llama", "sdpa")
     doc = _tok(5, 256)
-    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
-        assert_same_as_uncached(model, store, doc.unsqueeze(0))
+    store_dense(tmp_path, model, doc.unsqueeze(0))
     q = torch.cat([doc, _tok(6, 10)]).unsqueeze(0)
     # a threshold of 1.0 can only be met by identical probe sets: random heads disagree
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=1.0)
@@ -110,8 +109,7 @@ def test_fallback_selects_per_head_and_still_runs(tmp_path):
 def test_full_decode_reads_the_rest_after_prefill(tmp_path):
     model = tiny_model("llama", "sdpa")
     doc = _tok(7, 512)
-    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
-        assert_same_as_uncached(model, store, doc.unsqueeze(0))
+    store_dense(tmp_path, model, doc.unsqueeze(0))
     q = torch.cat([doc, _tok(8, 10)]).unsqueeze(0)
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full")
     with ImpressStore(tmp_path, model, cfg) as store:

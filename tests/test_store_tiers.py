@@ -10,7 +10,7 @@ import torch
 
 import impress_cache.store as store_mod
 from conftest import VOCAB, tiny_model
-from helpers import assert_same_as_uncached, run
+from helpers import assert_same_as_uncached, run, store_dense
 from impress_cache import ConfigError, ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.policies import LFUPolicy, LRUPolicy, ScorePolicy
 from impress_cache.storage.base import KV
@@ -174,8 +174,7 @@ def test_importance_metrics_from_shares(tmp_path, model):
 
 def test_sparse_requests_use_the_tiers_and_stay_close(tmp_path, model):
     doc = _tok(6, 256)
-    with ImpressStore(tmp_path, model, _cfg()) as store:
-        assert_same_as_uncached(model, store, doc, new_tokens=3)
+    store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
     cfg = _cfg(important_ratio=0.25, similarity_threshold=0.0, decode="keep")
     with ImpressStore(tmp_path, model, cfg) as store:
         q1 = torch.cat([doc, _tok(7, 8)], dim=1)
@@ -442,8 +441,7 @@ def test_statistics_are_saved_periodically(tmp_path, model):
 def test_warmup_fills_the_tiers(tmp_path, model):
     doc = _tok(120, 80)
     q = torch.cat([doc, _tok(121, 6)], dim=1)
-    with ImpressStore(tmp_path, model, _cfg()) as store:
-        assert_same_as_uncached(model, store, doc, new_tokens=3)
+    store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
     with ImpressStore(tmp_path, model, _cfg()) as store:
         assert len(store.tiers) == 0
         summary = store.warmup([doc[0], [1, 2, 3]])

@@ -1176,3 +1176,19 @@ def _split_probe_infos(infos: list[BlockInfo], probes: list[torch.Tensor], chunk
                 BlockInfo(PROBE, info.layer, b, part.shape[0], info.offset + start * rec, part.numel(), crc32(tensor_bytes(part)))
             )
     return out
+
+
+def drop_page_cache(store_dir: str | os.PathLike[str]) -> None:
+    """Evict a store's chunk files from this machine's page cache.
+
+    ``fsync`` then ``POSIX_FADV_DONTNEED`` on every chunk file, so the next reads come from
+    the device ("guest-cold": in a VM the hypervisor may still cache them). Used by the
+    demo and the benchmarks to measure cold reads.
+    """
+    for f in (Path(store_dir) / CHUNK_DIR).iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
