@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 7680])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--corpora", nargs="+", default=["prose", "code"])
-    p.add_argument("--probe-dtype", default="int8", choices=["float16", "int8", "int4"])
+    p.add_argument("--probe-dtype", default="int4", choices=["float16", "int8", "int4"])
     p.add_argument("--passkey-seeds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="1k and 2k prose only, block selection, ratio 0.25, 1 passkey seed")
     p.add_argument("--report", metavar="JSON", help="print the Markdown tables of an earlier run and exit")
