@@ -245,6 +245,11 @@ def test_cache_implementation_conflict(store):
         ({"device_bytes": -1}, "device_bytes"),
         ({"tier_shares": {"high": 0.5, "medium": 0.5, "low": 0.5}}, "tier_shares"),
         ({"similarity_threshold": 2.0}, "similarity_threshold"),
+        ({"similarity_alpha": "0.6"}, "similarity_alpha"),
+        ({"important_ratio": True}, "important_ratio"),
+        ({"fsync": "yes"}, "fsync"),
+        ({"probe_dtype": "int2"}, "probe_dtype"),
+        ({"selection": "h20"}, "selection"),
     ],
 )
 def test_config_out_of_range(kwargs, field):

@@ -350,6 +350,7 @@ class ImpressCache(Cache):
                     rows = sel.rows
             except CorruptBlockError as exc:
                 store.quarantine(exc.file_id, str(exc))
+                self.stats.quarantined_files += 1
                 raise CorruptBlockError(
                     f"{exc}. The file was quarantined; this request cannot recompute those tokens any more. "
                     "Retry the request: it will recompute them.",
@@ -386,6 +387,7 @@ class ImpressCache(Cache):
                 share_of[key] = min(1.0, float(counts[u]) / per_head / lay.units[u].count)
         missing = sorted({key for key in keys if key not in self._memo})
         views, nbytes = self.store.read_blocks(missing, [share_of.get(key, 1.0) for key in missing])
+        self.stats.blocks_read += len(missing)
         self._memo.update(zip(missing, views))
         return [self.store.kv_block(self._memo[key]) for key in keys], nbytes
 
@@ -412,12 +414,23 @@ class ImpressCache(Cache):
             pad = self._reused - lay.length
             loaded = self.store.load(lay.segments, out=(keys[:, i, :, pad:], values[:, i, :, pad:]), memo=self._memo)
             nbytes += loaded.bytes_read
+            self.stats.blocks_read += loaded.blocks_read
         return keys, values, nbytes
 
     def _restore_full_prefix(self) -> None:
         """First decode step with ``decode="full"``: attend to the whole prefix from now on."""
         assert self._full is not None
-        keys, values, nbytes = self._full.result()
+        try:
+            keys, values, nbytes = self._full.result()
+        except CorruptBlockError as exc:
+            self._full = None
+            self.store.quarantine(exc.file_id, str(exc))
+            self.stats.quarantined_files += 1
+            raise CorruptBlockError(
+                f"{exc}. The file was quarantined; decoding cannot continue against the whole prefix. "
+                "Retry the request (or use decode='keep').",
+                exc.file_id,
+            ) from exc
         self._full = None
         self.stats.bytes_read_decode += nbytes
         self.stats.bytes_read_disk += nbytes

@@ -110,19 +110,17 @@ class ImpressConfig:
 
     def __post_init__(self) -> None:
         _check_int(self, "chunk_tokens", 1, 1 << 16)
-        if not isinstance(self.important_ratio, (int, float)) or not (
-            0.0 < float(self.important_ratio) <= 1.0
-        ):
+        if not _is_number(self.important_ratio) or not (0.0 < float(self.important_ratio) <= 1.0):
             raise ConfigError(
                 f"important_ratio must be a number in (0, 1], got {self.important_ratio!r}"
             )
         _check_int(self, "probe_heads", 1, 1024)
-        if not (0.0 < float(self.similarity_alpha) <= 10.0):
+        if not _is_number(self.similarity_alpha) or not (0.0 < float(self.similarity_alpha) <= 10.0):
             raise ConfigError(
                 f"similarity_alpha must be in (0, 10], got {self.similarity_alpha!r}"
             )
-        if self.similarity_threshold is not None and not (
-            0.0 <= float(self.similarity_threshold) <= 1.0
+        if self.similarity_threshold is not None and (
+            not _is_number(self.similarity_threshold) or not (0.0 <= float(self.similarity_threshold) <= 1.0)
         ):
             raise ConfigError(
                 "similarity_threshold must be None or in [0, 1], "
@@ -133,6 +131,8 @@ class ImpressConfig:
         _check_choice(self, "decode", _DECODES)
         _check_choice(self, "kv_dtype", _KV_DTYPES)
         _check_int(self, "io_threads", 1, 256)
+        if not isinstance(self.fsync, bool):
+            raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
         _check_int(self, "device_bytes", 0, None)
         _check_int(self, "host_bytes", 0, None)
         if self.disk_bytes is not None:
@@ -166,6 +166,10 @@ class ImpressConfig:
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""
         return asdict(self)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_int(cfg: ImpressConfig, name: str, lo: int, hi: int | None) -> None:

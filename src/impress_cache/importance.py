@@ -10,6 +10,9 @@ This module holds the pure tensor logic of the "identify" step of IMPRESS:
   row (token mode and whole-block mode);
 * `select_layer` combines the above for one layer, including the per-head
   fallback when the probe heads disagree;
+* `select_units` ranks irregular blocks (the units of a stored prefix) and is what
+  the cache's block mode uses, through `impress_cache.sparse.select_row` (which also
+  uses `vote`; `select_layer` and `block_select` are the uniform-block versions);
 * `choose_probe_heads` picks probe query heads from different KV groups;
 * `sparse_prefix_attention_reference` is a slow, exact reference of attention
   restricted to selected prefix rows, used by tests.

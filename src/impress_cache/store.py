@@ -1043,7 +1043,7 @@ class ImpressStore:
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
-        """Bytes of K/V in chunk files referenced by the index."""
+        """Bytes of the blocks (K/V and probe copies) in chunk files the index references."""
         return self.index.total_bytes()
 
     def stats(self) -> dict[str, Any]:
