@@ -1,7 +1,7 @@
 """Quickstart: reuse a stored prefix with SmolLM2 through model.generate.
 
 Run:  python examples/quickstart.py
-The first request computes the prompt and stores its K/V in ./kv-quickstart; the second
+The first request computes the prompt and stores its K/V in a temporary store; the second
 request shares the long system prompt and reuses it from disk.
 """
 
