@@ -85,7 +85,6 @@ def test_store_load_returns_exact_rows(tmp_path_factory, fmt, lengths, cut, chun
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, 256, (60,), generator=g).tolist()
     d = tmp_path_factory.mktemp("kv")
-    truth: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> (k, v) for tokens of `base`
     ks, vs = _kv(layers, spec_heads, 60, dim, torch.float32, seed)
     with ImpressStore(d, model, ImpressConfig(chunk_tokens=chunk, fsync=False), storage_format=fmt) as store:
         for n in lengths:

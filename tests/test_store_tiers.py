@@ -340,7 +340,7 @@ def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, ca
         assert store.match(d[0].tolist()).length == 64
         # everything in use: the store stays over budget and says so
         qd = torch.cat([d, _tok(62, 4)], dim=1)
-        held = ImpressCache(store, qd, store_prompt=False)
+        held = ImpressCache(store, qd, store_prompt=False)  # noqa: F841 (alive = its prefix is in use)
         store.config.disk_bytes = 1
         with caplog.at_level(logging.WARNING, logger="impress_cache.store"):
             result = store.enforce_disk_budget()

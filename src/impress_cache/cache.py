@@ -49,7 +49,6 @@ class _SparsePlan:
     """What a sparse prefill needs: ``k`` rows per layer, each row's layout and probe keys."""
 
     k: int
-    pads: list[int]
     layouts: list[PrefixLayout | None]
     probes: list[list[torch.Tensor] | None]
     repeats: int = 1
@@ -257,7 +256,7 @@ class ImpressCache(Cache):
             self.stats.bytes_read_probe += nbytes
             self.stats.bytes_read_disk += nbytes
             probes.append(raw)
-        return _SparsePlan(k, pads, layouts, probes)
+        return _SparsePlan(k, layouts, probes)
 
     # -- transformers hooks ------------------------------------------------------------
     @property
