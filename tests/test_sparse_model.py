@@ -122,3 +122,27 @@ def test_full_decode_reads_the_rest_after_prefill(tmp_path):
         # after the prefill every layer holds the whole prefix again
         assert all(layer.hidden == 0 for layer in cache.layers)
         assert cache.get_seq_length() == q.shape[1] + 3
+
+
+def test_damaged_probe_copy_is_quarantined_and_output_stays_exact(tmp_path):
+    """The probe copies are verified before generate starts: a damaged one falls back
+    to computing the prompt, like a damaged K/V block does for dense reuse."""
+    from impress_cache.storage.base import PROBE
+    from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
+
+    model = tiny_model("llama", "sdpa")
+    doc = _tok(9, 256)
+    store_dense(tmp_path, model, doc.unsqueeze(0))
+    (f,) = (tmp_path / CHUNK_DIR).iterdir()
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
+        fid = store.match(doc.tolist()).segments[0].file_id
+        info = store._open_file(fid).blocks[(PROBE, 1, 3)]
+    raw = bytearray(f.read_bytes())
+    raw[info.offset + 1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    q = torch.cat([doc, _tok(10, 8)]).unsqueeze(0)
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=0.25)) as store:
+        cache = assert_same_as_uncached(model, store, q)
+        assert cache.stats.quarantined_files == 1
+        assert cache.stats.matched_tokens == 0 and cache.stats.computed_tokens == q.shape[1]
+    assert (tmp_path / QUARANTINE_DIR / f.name).exists()

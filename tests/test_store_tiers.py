@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -318,20 +317,16 @@ def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, ca
         assert_same_as_uncached(model, store, a, new_tokens=3)
         assert_same_as_uncached(model, store, b, new_tokens=3)
         _reuse(model, store, torch.cat([a, _tok(60, 4)], dim=1))  # a is valuable
-        # a request on b (the least valuable prefix) is under way when d is written
+        # a request on b (the least valuable prefix) still needs its rows when d is written
         qb = torch.cat([b, _tok(61, 4)], dim=1)
-        held = ImpressCache(store, qb, store_prompt=False)
-        assert held.reused_tokens == 64
+        held = store.lease([store.match(qb[0].tolist())])
         assert_same_as_uncached(model, store, d, new_tokens=3)
         assert store.match(b[0].tolist()).length == 64  # in use: kept
         assert store.match(a[0].tolist()).length == 0  # the next least valuable went instead
-        # the held request still produces exact output
-        ref, _ = run(model, qb, new_tokens=4)
-        out, _ = run(model, qb, cache=held, new_tokens=4)
-        assert torch.equal(out, ref)
+        # the held prefix still produces exact output
+        _reuse(model, store, qb)
         # once the request is done, b can go (d is reused twice, so b is the least valuable)
-        del held
-        gc.collect()
+        held.release()
         for seed in (63, 64):
             _reuse(model, store, torch.cat([d, _tok(seed, 4)], dim=1))
         store.config.disk_bytes = int(1.5 * size)
@@ -339,13 +334,30 @@ def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, ca
         assert store.match(b[0].tolist()).length == 0
         assert store.match(d[0].tolist()).length == 64
         # everything in use: the store stays over budget and says so
-        qd = torch.cat([d, _tok(62, 4)], dim=1)
-        held = ImpressCache(store, qd, store_prompt=False)  # noqa: F841 (alive = its prefix is in use)
+        held = store.lease([store.match(d[0].tolist())])
         store.config.disk_bytes = 1
         with caplog.at_level(logging.WARNING, logger="impress_cache.store"):
             result = store.enforce_disk_budget()
         assert result["removed_prefixes"] == 0 and "in use" in caplog.text
         assert store.match(d[0].tolist()).length == 64
+        held.release()
+
+
+@pytest.mark.parametrize("ratio, decode", [(1.0, "full"), (0.25, "keep"), (0.25, "full")])
+def test_a_cache_holds_its_prefix_only_while_it_needs_the_disk(tmp_path, model, ratio, decode):
+    """Dense reuse loads at construction; a sparse prefill reads during the forward and,
+    with decode="full", the rest after it: the lease lasts exactly that long."""
+    doc = _tok(80, 128)
+    store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
+    q = torch.cat([doc, _tok(81, 6)], dim=1)
+    with ImpressStore(tmp_path, model, _cfg(important_ratio=ratio, decode=decode, similarity_threshold=0.0)) as store:
+        nodes = [seg.node for seg in store.match(q[0].tolist()).segments]
+        cache = ImpressCache(store, q, store_prompt=False)
+        held = [n.lock_ref for n in nodes]
+        assert held == ([0] * len(nodes) if ratio == 1.0 else [1] * len(nodes))
+        run(model, q, cache=cache, new_tokens=3)  # prefill, then decode steps
+        assert [n.lock_ref for n in nodes] == [0] * len(nodes)
+        assert cache.get_seq_length() == q.shape[1] + 2
 
 
 def test_disk_budget_keeps_files_that_other_nodes_still_use(tmp_path, model, no_grace):

@@ -37,7 +37,7 @@ from .radix import Match, Segment
 from .sparse import BASELINES, gather_all, select_row
 from .stats import RequestStats, RowStats
 from .storage.base import KV
-from .store import BlockKey, ImpressStore
+from .store import BlockKey, ImpressStore, PrefixLease
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class ImpressCache(Cache):
         self.selections: dict[int, dict[int, torch.Tensor]] = {}
         self._memo: dict[BlockKey, memoryview] = {}
         self._full: Future[tuple[torch.Tensor, torch.Tensor, int]] | None = None
+        self._lease: PrefixLease | None = None
         t0 = time.perf_counter()
         reused, prefix_k, prefix_v = self._load_prefix()
         self.stats.load_seconds = time.perf_counter() - t0
@@ -186,14 +187,27 @@ class ImpressCache(Cache):
         _install_hooks(store.model)
 
     # -- reading the prefix -----------------------------------------------------------
+    @property
+    def _pads(self) -> list[int]:
+        """Left-padding columns of every row."""
+        return (self._ids.shape[1] - self._mask.sum(dim=1)).tolist()
+
+    def _release_lease(self) -> None:
+        """The request holds what it needs in memory: its prefixes may be evicted again."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
     def _load_prefix(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         store, spec = self.store, self.store.spec
-        batch, seq = self._ids.shape
-        pads = (seq - self._mask.sum(dim=1)).tolist()
+        batch = self._ids.shape[0]
+        pads = self._pads
         rows = [self._ids[i, pads[i]:].tolist() for i in range(batch)]
         for _ in range(_MAX_QUARANTINE_RETRIES):
             matches = [store.match(toks, limit=len(toks) - 1) for toks in rows]
-            self._lease = store.lease(matches)  # no disk eviction of these prefixes while the cache lives
+            # no disk eviction of these prefixes until their rows are in memory
+            self._release_lease()
+            self._lease = store.lease(matches)
             reused = min(p + m.length for p, m in zip(pads, matches))
             self.stats = RequestStats(quarantined_files=self.stats.quarantined_files)
             self.stats.reused_columns = reused
@@ -203,6 +217,7 @@ class ImpressCache(Cache):
             self.stats.matched_tokens = sum(r.matched_tokens for r in self.stats.rows)
             self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
             if reused == 0:
+                self._release_lease()
                 return 0, None, None
             k = math.ceil(store.config.important_ratio * reused)
             if store.config.selection == "block":
@@ -233,6 +248,7 @@ class ImpressCache(Cache):
                 store.quarantine(exc.file_id, str(exc))
                 self.stats.quarantined_files += 1
                 continue
+            self._release_lease()
             return reused, keys, values
         raise CacheUsageError("too many damaged chunk files while loading a prefix; see the log")
 
@@ -396,6 +412,8 @@ class ImpressCache(Cache):
         self.stats.invalid_io_ratio = max(0.0, 1.0 - self.stats.bytes_used_rows / read) if read else 0.0
         if self.store.config.decode == "full":
             self._full = self.store.fetcher.submit(self._load_full_prefix)
+        else:
+            self._release_lease()
 
     def _load_full_prefix(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         plan = self._sparse
@@ -431,6 +449,7 @@ class ImpressCache(Cache):
                 exc.file_id,
             ) from exc
         self._full = None
+        self._release_lease()
         self.stats.bytes_read_decode += nbytes
         self.stats.bytes_read_disk += nbytes
         for i, layer in enumerate(self.layers):
@@ -439,7 +458,7 @@ class ImpressCache(Cache):
 
     def _store_prompt(self) -> None:
         seq = self._ids.shape[1]
-        pads = (seq - self._mask.sum(dim=1)).tolist()
+        pads = self._pads
         seen: set[tuple[int, ...]] = set()
         for i in range(self._ids.shape[0]):
             toks = tuple(self._ids[i, pads[i]:].tolist())

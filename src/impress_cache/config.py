@@ -31,8 +31,10 @@ class ImpressConfig:
         (default 0.25, the paper's setting). ``1.0`` loads the whole prefix and
         reproduces uncached generation exactly.
     probe_heads:
-        Query heads per layer used to find the important prefix tokens. They are taken
-        from different KV groups; the store keeps a compact copy of their KV heads' keys.
+        Probe query heads per layer, taken from different KV groups. Their groups' KV
+        heads are the probed ones: the store keeps a compact copy of those keys, and
+        every query head of those groups scores the prefix (with grouped-query
+        attention the I/O cost is per KV head). Fixed when a store is created.
     probe_dtype:
         Encoding of that probe-key copy: ``"int4"`` (default), ``"int8"`` or
         ``"float16"``. Fixed when a store is created. See the fidelity benchmark for

@@ -57,7 +57,7 @@ MATCH_GRACE_S = 5.0
 class _OpenFile:
     record: FileRecord
     path: Path
-    blocks: dict[tuple[int, int], BlockInfo]
+    blocks: dict[tuple[int, int, int], BlockInfo]  # (kind, layer, block)
 
 
 #: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
@@ -360,7 +360,8 @@ class ImpressStore:
 
         Every node of every match gets one reference (``lock_ref``); nodes with
         references are never removed by the disk budget. `ImpressCache` holds a lease
-        for as long as the cache object lives.
+        until it has read everything it needs (the constructor for dense reuse, the
+        prefill or the background read of the rest of the prefix for sparse reuse).
 
         Parameters
         ----------
@@ -804,14 +805,11 @@ class ImpressStore:
                     self.index.delete_node(conn, node.id)
                     removed += 1
             record = self.index.file(file_id)
-            unreferenced = self.index.unreferenced_files(conn)
-            for fid in unreferenced:
-                rec = self.index.file(fid)
-                self.index.delete_file(conn, fid)
-                self._files.pop(fid, None)
-                if rec is not None and fid != file_id:
+            dropped = self._drop_unreferenced_files(conn)
+            for rec in dropped:
+                if rec.id != file_id:
                     (self.path / CHUNK_DIR / rec.name).unlink(missing_ok=True)
-            self._forget_files(set(unreferenced) | {file_id})
+            self._forget_files({rec.id for rec in dropped} | {file_id})
             if record is not None:
                 qdir = self.path / QUARANTINE_DIR
                 qdir.mkdir(exist_ok=True)
@@ -823,6 +821,20 @@ class ImpressStore:
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
             record.name if record else file_id, reason, removed,
         )
+
+    def _drop_unreferenced_files(self, conn: Any) -> list[FileRecord]:
+        """Delete from the index the files no node references; return their records.
+
+        The caller unlinks them once the transaction has committed (or, for a
+        quarantined file, moves it aside).
+        """
+        dropped = []
+        for fid in self.index.unreferenced_files(conn):
+            rec = self.index.file(fid)
+            self.index.delete_file(conn, fid)
+            if rec is not None:
+                dropped.append(rec)
+        return dropped
 
     def _remove_orphans(self) -> None:
         """Delete temp files and chunk files the index does not know (crash leftovers)."""
@@ -888,11 +900,7 @@ class ImpressStore:
                         self.tree.remove(victim)
                         self.index.delete_node(conn, victim.id)
                         result["removed_prefixes"] += 1
-                        for fid in self.index.unreferenced_files(conn):
-                            rec = self.index.file(fid)
-                            self.index.delete_file(conn, fid)
-                            if rec is not None:
-                                removed_files.append(rec)
+                        removed_files += self._drop_unreferenced_files(conn)
             except BaseException:
                 self._reload_tree_locked()
                 raise
@@ -915,10 +923,8 @@ class ImpressStore:
 
     def _node_kv_keys(self, node: RadixNode) -> list[BlockKey]:
         """K/V blocks (all layers) holding the rows of one node."""
-        ct = self.chunk_tokens_of(node.file_id)
-        r0, r1 = node.file_row, node.file_row + len(node.tokens)
-        blocks = range(r0 // ct, (r1 - 1) // ct + 1)
-        return [(node.file_id, KV, layer, b) for layer in range(self.spec.num_layers) for b in blocks]
+        units = self.layout([Segment(node, len(node.tokens))]).units
+        return [(u.file_id, KV, layer, u.block) for layer in range(self.spec.num_layers) for u in units]
 
     def _node_value(self, node: RadixNode) -> float:
         try:
