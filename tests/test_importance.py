@@ -12,14 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from impress_cache.importance import (
-    LayerSelection,
     attention_column_scores,
-    block_select,
-    blocks_of,
     choose_probe_heads,
     expected_random_jaccard,
     mean_pairwise_jaccard,
-    select_layer,
     similarity_threshold,
     sparse_prefix_attention_reference,
     topk_indices,
@@ -149,15 +145,6 @@ def test_planted_tokens_in_every_head_topk_and_vote(seed):
     assert (mass > 0.5).all()
 
 
-def test_planted_tokens_through_select_layer():
-    q, kp, kn, planted = _planted(7)
-    scores = attention_column_scores(q, kp, kn)
-    k = 8
-    sel = select_layer(scores, k, similarity_threshold(k, 128))
-    assert not sel.fell_back and sel.per_head_indices is None
-    assert sel.indices is not None and len(sel.indices) == 2
-    for rows in sel.indices:
-        assert set(planted) <= set(rows.tolist())
 
 
 # ---------------------------------------------------------------------------
@@ -460,75 +447,16 @@ def _disjoint_probe_scores(B=2, H=3, k=10, P=40) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("mode", ["token", "block"])
-def test_fallback_when_heads_disagree(mode):
-    k, P = 10, 40
-    probe = _disjoint_probe_scores(k=k, P=P)
-    full = torch.rand(2, 4, P, generator=torch.Generator().manual_seed(1))
-    fn = _Counter(full)
-    t = similarity_threshold(k, P)
-    sel = select_layer(probe, k, t, full_scores_fn=fn, mode=mode, block_tokens=8)
-    assert isinstance(sel, LayerSelection)
-    assert sel.fell_back
-    assert fn.calls == 1
-    assert sel.indices is None
-    assert sel.similarity == pytest.approx(0.0)
-    assert sel.threshold == pytest.approx(t)
-    assert sel.per_head_indices is not None
-    assert sel.per_head_indices.shape == (2, 4, k)
-    assert torch.equal(sel.per_head_indices, topk_indices(full, k))
 
 
-@pytest.mark.parametrize("mode", ["token", "block"])
-def test_no_fallback_when_heads_agree(mode):
-    k, P = 10, 40
-    g = torch.Generator().manual_seed(2)
-    base = torch.rand(2, 1, P, generator=g)
-    base[:, :, 20:30] += 5.0
-    probe = base + 0.01 * torch.rand(2, 3, P, generator=g)
-    fn = _Counter(torch.zeros(2, 4, P))
-    sel = select_layer(probe, k, similarity_threshold(k, P), full_scores_fn=fn, mode=mode,
-                       block_tokens=10)
-    assert not sel.fell_back
-    assert fn.calls == 0
-    assert sel.per_head_indices is None
-    assert sel.similarity == pytest.approx(1.0)
-    assert sel.indices is not None and len(sel.indices) == 2
-    for rows in sel.indices:
-        assert rows.dtype == torch.int64
-        assert rows.tolist() == list(range(20, 30))
 
 
-def test_fallback_without_full_scores_fn_raises():
-    with pytest.raises(ValueError, match="full_scores_fn"):
-        select_layer(_disjoint_probe_scores(), 10, 0.5)
 
 
-def test_fallback_checks_full_scores_shape():
-    fn = _Counter(torch.zeros(2, 4, 39))
-    with pytest.raises(ValueError, match="full_scores_fn"):
-        select_layer(_disjoint_probe_scores(), 10, 0.5, full_scores_fn=fn)
 
 
-def test_threshold_boundary_is_inclusive():
-    probe = _disjoint_probe_scores()
-    sel = select_layer(probe, 10, 0.0, full_scores_fn=_Counter(torch.zeros(2, 4, 40)))
-    assert not sel.fell_back  # similarity 0 >= threshold 0
 
 
-@pytest.mark.parametrize(
-    "args, kwargs",
-    [
-        ((torch.rand(1, 3, 10), 0, 0.5), {}),
-        ((torch.rand(1, 3, 10), 11, 0.5), {}),
-        ((torch.rand(1, 3, 10), 3, 0.5), {"mode": "chunk"}),
-        ((torch.rand(3, 10), 3, 0.5), {}),
-        ((torch.rand(1, 3, 10), 3, 0.5), {"mode": "block", "block_tokens": 0}),
-    ],
-)
-def test_select_layer_rejects_bad_inputs(args, kwargs):
-    with pytest.raises(ValueError):
-        select_layer(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -536,88 +464,14 @@ def test_select_layer_rejects_bad_inputs(args, kwargs):
 # ---------------------------------------------------------------------------
 
 
-def _check_block_result(rows: torch.Tensor, scores_row: torch.Tensor, k: int, bt: int, n: int):
-    rows_l = rows.tolist()
-    assert rows_l == sorted(set(rows_l))
-    assert len(rows_l) >= k
-    blocks = blocks_of(rows, bt).tolist()
-    # union of whole blocks
-    expected_rows = [r for blk in blocks for r in range(blk * bt, min((blk + 1) * bt, n))]
-    assert rows_l == expected_rows
-    # minimal: every chosen block is needed (dropping the lowest-ranked drops below k)
-    n_blocks = -(-n // bt)
-    sums = [float(scores_row[b * bt : min((b + 1) * bt, n)].double().sum()) for b in range(n_blocks)]
-    ranked = sorted(range(len(sums)), key=lambda b: (-sums[b], b))
-    assert sorted(ranked[: len(blocks)]) == blocks
-    last = ranked[len(blocks) - 1]
-    last_size = min((last + 1) * bt, n) - last * bt
-    assert len(rows_l) - last_size < k
 
 
-def test_block_mode_picks_planted_block():
-    B, P, bt = 2, 100, 16  # 7 blocks, last one has 4 rows
-    g = torch.Generator().manual_seed(4)
-    scores = torch.rand(B, P, generator=g)
-    scores[0, 3 * bt + 2] = 50.0  # planted in block 3
-    scores[1, 96:100] = 20.0  # planted in the partial last block
-    out = block_select(scores, 20, bt)
-    assert len(out) == B
-    assert 3 in blocks_of(out[0], bt).tolist()
-    assert 6 in blocks_of(out[1], bt).tolist()
-    for b in range(B):
-        _check_block_result(out[b], scores[b], 20, bt, P)
-    assert set(range(96, 100)) <= set(out[1].tolist())
 
 
-@FAST
-@given(
-    B=st.integers(1, 3),
-    P=st.integers(1, 60),
-    bt=st.integers(1, 17),
-    data=st.data(),
-)
-def test_block_select_properties(B, P, bt, data):
-    n = data.draw(st.integers(1, P))
-    k = data.draw(st.integers(1, n))
-    values = data.draw(st.lists(st.integers(0, 5), min_size=B * P, max_size=B * P))
-    scores = torch.tensor(values, dtype=torch.float32).reshape(B, P)
-    out = block_select(scores, k, bt, n_tokens=n)
-    assert len(out) == B
-    for b in range(B):
-        assert out[b].dtype == torch.int64
-        assert (out[b] < n).all()
-        _check_block_result(out[b], scores[b], k, bt, n)
 
 
-def test_block_mode_select_layer_uses_whole_blocks():
-    k, P, bt = 10, 64, 8
-    g = torch.Generator().manual_seed(9)
-    base = torch.rand(1, 1, P, generator=g)
-    base[:, :, 41] += 30.0  # block 5
-    base[:, :, 12:15] += 3.0  # block 1
-    probe = base + 0.01 * torch.rand(1, 3, P, generator=g)
-    sel = select_layer(probe, k, 0.0, mode="block", block_tokens=bt)
-    assert not sel.fell_back and sel.indices is not None
-    rows = sel.indices[0]
-    assert blocks_of(rows, bt).tolist() == [1, 5]
-    assert rows.tolist() == list(range(8, 16)) + list(range(40, 48))
 
 
-def test_block_select_and_blocks_of_validation():
-    with pytest.raises(ValueError):
-        block_select(torch.rand(1, 10), 0, 4)
-    with pytest.raises(ValueError):
-        block_select(torch.rand(1, 10), 3, 0)
-    with pytest.raises(ValueError):
-        block_select(torch.rand(1, 10), 6, 4, n_tokens=5)
-    with pytest.raises(ValueError):
-        block_select(torch.rand(1, 10), 3, 4, n_tokens=11)
-    with pytest.raises(ValueError):
-        block_select(torch.rand(10), 3, 4)
-    with pytest.raises(ValueError):
-        blocks_of(torch.tensor([1, 2]), 0)
-    assert blocks_of(torch.tensor([[70, 3], [64, 0]]), 64).tolist() == [0, 1]
-    assert blocks_of([], 4).tolist() == []
 
 
 # ---------------------------------------------------------------------------

@@ -6,13 +6,10 @@ This module holds the pure tensor logic of the "identify" step of IMPRESS:
   new tokens (H2O-style column sums of the softmax attention probabilities);
 * `topk_indices`, `mean_pairwise_jaccard`, `expected_random_jaccard`
   and `similarity_threshold` decide whether the probe heads agree;
-* `vote` and `block_select` build one shared set of prefix rows per batch
-  row (token mode and whole-block mode);
-* `select_layer` combines the above for one layer, including the per-head
-  fallback when the probe heads disagree;
-* `select_units` ranks irregular blocks (the units of a stored prefix) and is what
-  the cache's block mode uses, through `impress_cache.sparse.select_row` (which also
-  uses `vote`; `select_layer` and `block_select` are the uniform-block versions);
+* `vote` (token mode) and `select_units` (block mode: whole units of a stored
+  prefix, ranked by summed score) build one shared set of prefix rows;
+  `impress_cache.sparse.select_row` combines all of these for one layer, including the
+  per-KV-head fallback when the probed heads disagree;
 * `choose_probe_heads` picks probe query heads from different KV groups;
 * `sparse_prefix_attention_reference` is a slow, exact reference of attention
   restricted to selected prefix rows, used by tests.
@@ -24,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -33,14 +29,10 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "LayerSelection",
     "attention_column_scores",
-    "block_select",
-    "blocks_of",
     "choose_probe_heads",
     "expected_random_jaccard",
     "mean_pairwise_jaccard",
-    "select_layer",
     "select_units",
     "similarity_threshold",
     "sparse_prefix_attention_reference",
@@ -453,105 +445,8 @@ def vote(scores: Tensor, k: int) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-def block_select(
-    scores: Tensor,
-    k: int,
-    block_tokens: int,
-    n_tokens: Optional[int] = None,
-) -> list[Tensor]:
-    """Select whole blocks (chunks) of prefix rows covering at least ``k`` rows.
-
-    Blocks are consecutive runs of ``block_tokens`` rows starting at row 0 (the last
-    block may be partial).  Blocks are ranked by the sum of their rows' scores (ties:
-    lower block index first) and taken in that order until at least ``k`` rows are
-    covered.
-
-    Parameters
-    ----------
-    scores : Tensor
-        ``[B, P]`` per-row scores, already aggregated over heads (e.g. the sum of the
-        normalised probe-head scores).  NaN counts as 0.
-    k : int
-        Minimum number of rows to cover, ``1 <= k <= n_tokens``.
-    block_tokens : int
-        Rows per block, ``>= 1``.
-    n_tokens : int, optional
-        Number of valid prefix rows (``<= P``); rows ``>= n_tokens`` are padding and
-        never selected, and the last block ends at ``n_tokens``.  Default ``P``.
-
-    Returns
-    -------
-    list of Tensor
-        One 1-D int64 tensor per batch row with all rows of the chosen blocks, sorted
-        ascending.  Lengths may differ between batch rows (always ``>= k``).
-
-    Raises
-    ------
-    ValueError
-        On a wrong rank or invalid ``k``, ``block_tokens`` or ``n_tokens``.
-    """
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [B, P], got {tuple(scores.shape)}")
-    B, P = scores.shape
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-    if n_tokens is None:
-        n_tokens = P
-    if n_tokens < 1 or n_tokens > P:
-        raise ValueError(f"n_tokens must be in [1, P={P}], got {n_tokens}")
-    _check_k(k, n_tokens)
-    device = scores.device
-
-    n_blocks = -(-n_tokens // block_tokens)
-    s = torch.nan_to_num(scores[:, :n_tokens].to(torch.float64), nan=0.0)
-    pad = n_blocks * block_tokens - n_tokens
-    if pad:
-        s = torch.nn.functional.pad(s, (0, pad), value=0.0)
-    block_sums = s.reshape(B, n_blocks, block_tokens).sum(dim=-1)  # [B, nb]
-    sizes = torch.full((n_blocks,), block_tokens, dtype=torch.int64, device=device)
-    sizes[-1] = n_tokens - (n_blocks - 1) * block_tokens
-
-    order = _rank_descending(block_sums)  # [B, nb]
-    covered = torch.cumsum(sizes[order], dim=-1)  # [B, nb]
-    # Number of blocks needed: first position where coverage reaches k, plus one.
-    n_take = (covered < k).sum(dim=-1) + 1  # [B]
-
-    result: list[Tensor] = []
-    for b in range(B):
-        chosen = torch.sort(order[b, : int(n_take[b])]).values
-        starts = chosen * block_tokens
-        rows = (starts[:, None] + torch.arange(block_tokens, device=device)[None, :]).reshape(-1)
-        rows = rows[rows < n_tokens]
-        result.append(rows)
-    return result
 
 
-def blocks_of(indices: Union[Tensor, Sequence[int]], block_tokens: int) -> Tensor:
-    """Sorted unique block ids touched by a set of row indices.
-
-    Parameters
-    ----------
-    indices : Tensor or sequence of int
-        Row indices of any shape (flattened).
-    block_tokens : int
-        Rows per block, ``>= 1``.
-
-    Returns
-    -------
-    Tensor
-        1-D int64 tensor of sorted unique ``index // block_tokens`` values.
-
-    Raises
-    ------
-    ValueError
-        If ``block_tokens < 1`` or an index is negative.
-    """
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-    idx = torch.as_tensor(indices).reshape(-1).to(torch.int64)
-    if idx.numel() and (idx < 0).any():
-        raise ValueError("indices must be non-negative")
-    return torch.unique(torch.div(idx, block_tokens, rounding_mode="floor"), sorted=True)
 
 
 # ---------------------------------------------------------------------------
@@ -559,143 +454,15 @@ def blocks_of(indices: Union[Tensor, Sequence[int]], block_tokens: int) -> Tenso
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class LayerSelection:
-    """Outcome of the importance selection of one layer.
-
-    Attributes
-    ----------
-    indices : list of Tensor or None
-        When the probe heads agreed: one sorted 1-D int64 tensor of selected prefix
-        rows per batch row, shared by every head of the layer.  ``None`` on fallback.
-    per_head_indices : Tensor or None
-        On fallback: ``[B, Hkv, k]`` sorted per-KV-head top-``k`` indices.  ``None``
-        when the shared set is used.
-    similarity : float
-        Mean pairwise Jaccard of the probe heads' top-``k`` sets, averaged over the
-        batch.
-    threshold : float
-        Threshold the similarity was compared with.
-    fell_back : bool
-        ``True`` when the layer used per-head selection.
-    """
-
-    indices: Optional[list[Tensor]]
-    per_head_indices: Optional[Tensor]
-    similarity: float
-    threshold: float
-    fell_back: bool
 
 
-def select_layer(
-    probe_scores: Tensor,
-    k: int,
-    threshold: float,
-    full_scores_fn: Optional[Callable[[], Tensor]] = None,
-    mode: str = "token",
-    block_tokens: int = 64,
-) -> LayerSelection:
-    """Decide which prefix rows one layer loads.
-
-    The probe heads' top-``k`` sets are compared (mean pairwise Jaccard, averaged over
-    the batch; one decision for the whole batch).  If the similarity reaches
-    ``threshold``, one shared set per batch row is built: by `vote` in
-    ``"token"`` mode, or by `block_select` over the sum of the normalised probe
-    scores in ``"block"`` mode (covering at least ``k`` rows with whole blocks).
-    Otherwise the layer falls back: ``full_scores_fn()`` is called once to get scores
-    for every KV head and each KV head keeps its own top-``k``.  In ``"block"`` mode
-    the fallback is also per-head token top-``k``: per-head sets differ, so whole-block
-    sharing does not apply.
-
-    Parameters
-    ----------
-    probe_scores : Tensor
-        ``[B, Hp, P]`` scores of the probe heads (e.g. from
-        `attention_column_scores`).
-    k : int
-        Rows to keep per head, ``1 <= k <= P``.
-    threshold : float
-        Similarity threshold, e.g. from `similarity_threshold`.
-    full_scores_fn : callable, optional
-        Zero-argument function returning ``[B, Hkv, P]`` scores of all KV heads.  Only
-        called on fallback; required then.
-    mode : {"token", "block"}, default "token"
-        Shared-set construction.
-    block_tokens : int, default 64
-        Block size for ``"block"`` mode.
-
-    Returns
-    -------
-    LayerSelection
-        The selection and the statistics behind it.
-
-    Raises
-    ------
-    ValueError
-        On bad shapes, ``k`` outside ``[1, P]``, an unknown mode, a bad
-        ``block_tokens``, a missing ``full_scores_fn`` when the layer falls back, or a
-        ``full_scores_fn`` result of the wrong shape.
-    """
-    if mode not in _VALID_MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {_VALID_MODES}")
-    if probe_scores.dim() != 3:
-        raise ValueError(f"probe_scores must be [B, Hp, P], got {tuple(probe_scores.shape)}")
-    B, Hp, P = probe_scores.shape
-    if B < 1 or Hp < 1:
-        raise ValueError(
-            "probe_scores needs at least one batch row and one head, got "
-            f"{tuple(probe_scores.shape)}"
-        )
-    _check_k(k, P)
-    if mode == "block" and (
-        isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1
-    ):
-        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-    threshold = float(threshold)
-
-    per_head = topk_indices(probe_scores, k)
-    similarity = float(mean_pairwise_jaccard(per_head).mean().item())
-
-    if similarity >= threshold:
-        if mode == "token":
-            shared = vote(probe_scores, k)
-            indices = [shared[b] for b in range(B)]
-        else:
-            agg = _normalise_heads(probe_scores).sum(dim=1)
-            indices = block_select(agg, k, block_tokens)
-        logger.debug("shared selection: similarity %.4f >= threshold %.4f", similarity, threshold)
-        return LayerSelection(
-            indices=indices,
-            per_head_indices=None,
-            similarity=similarity,
-            threshold=threshold,
-            fell_back=False,
-        )
-
-    logger.debug("fallback: similarity %.4f < threshold %.4f", similarity, threshold)
-    if full_scores_fn is None:
-        raise ValueError(
-            f"similarity {similarity:.4f} is below threshold {threshold:.4f} but no "
-            "full_scores_fn was given for the per-head fallback"
-        )
-    full = full_scores_fn()
-    if not isinstance(full, Tensor) or full.dim() != 3 or full.shape[0] != B or full.shape[2] != P:
-        shape = tuple(full.shape) if isinstance(full, Tensor) else type(full).__name__
-        raise ValueError(f"full_scores_fn must return [B={B}, Hkv, P={P}] scores, got {shape}")
-    if full.shape[1] < 1:
-        raise ValueError("full_scores_fn returned scores for zero KV heads")
-    return LayerSelection(
-        indices=None,
-        per_head_indices=topk_indices(full, k),
-        similarity=similarity,
-        threshold=threshold,
-        fell_back=True,
-    )
 
 
 # ---------------------------------------------------------------------------
 # 7. reference sparse attention
 # ---------------------------------------------------------------------------
+
+
 
 
 def _selection_for_row(
