@@ -52,6 +52,13 @@ def no_grace(monkeypatch):
     monkeypatch.setattr(store_mod, "MATCH_GRACE_S", 0.0)
 
 
+def _request(model, store: ImpressStore, ids: torch.Tensor, new_tokens: int) -> tuple[ImpressCache, dict]:
+    """One request that does not store its prompt; returns its cache and the store's stats."""
+    cache = ImpressCache(store, ids, store_prompt=False)
+    run(model, ids, cache=cache, new_tokens=new_tokens)
+    return cache, store.stats()
+
+
 def _reuse(model, store: ImpressStore, ids: torch.Tensor) -> ImpressCache:
     """A request that reuses the store without adding its prompt; output checked exact."""
     ref, _ = run(model, ids, new_tokens=3)
@@ -176,19 +183,14 @@ def test_sparse_requests_use_the_tiers_and_stay_close(tmp_path, model):
     store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
     cfg = _cfg(important_ratio=0.25, similarity_threshold=0.0, decode="keep")
     with ImpressStore(tmp_path, model, cfg) as store:
-        q1 = torch.cat([doc, _tok(7, 8)], dim=1)
-        c1 = ImpressCache(store, q1, store_prompt=False)
-        run(model, q1, cache=c1, new_tokens=2)
-        s1 = store.stats()
+        _, s1 = _request(model, store, torch.cat([doc, _tok(7, 8)], dim=1), 2)
         assert s1["important_rows_needed"] > 0 and s1["important_kv_hit_rate"] == 0.0
         assert 0.0 <= s1["invalid_io_ratio"] < 1.0
         assert s1["probe_bytes_read_disk"] > 0
         assert s1["lookups"]["probe"]["disk"]["hit_ratio"] == 1.0
         store.reset_stats()
-        q2 = torch.cat([doc, _tok(7, 8)], dim=1)  # same question: same selection
-        c2 = ImpressCache(store, q2, store_prompt=False)
-        run(model, q2, cache=c2, new_tokens=2)
-        s2 = store.stats()
+        # same question: same selection
+        c2, s2 = _request(model, store, torch.cat([doc, _tok(7, 8)], dim=1), 2)
         assert s2["important_kv_hit_rate"] == 1.0
         assert s2["kv_bytes_read_disk"] == 0 and s2["probe_bytes_read_disk"] == 0
         assert s2["lookups"]["probe"]["disk"]["blocks"] == 0 < s2["lookups"]["probe"]["blocks"]
@@ -202,10 +204,7 @@ def test_full_decode_reads_count_as_unimportant_accesses(tmp_path, model):
         all_keys = _kv_keys(store, doc[0].tolist())
     cfg = _cfg(important_ratio=0.1, similarity_threshold=0.0, decode="full")
     with ImpressStore(tmp_path, model, cfg) as store:
-        q = torch.cat([doc, _tok(9, 10)], dim=1)
-        cache = ImpressCache(store, q, store_prompt=False)
-        run(model, q, cache=cache, new_tokens=3)
-        s = store.stats()
+        cache, s = _request(model, store, torch.cat([doc, _tok(9, 10)], dim=1), 3)
         # every block of the prefix was accessed once: selected ones in the prefill,
         # the others for decoding
         assert s["kv_blocks_accessed"] == len(all_keys)
