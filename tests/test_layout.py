@@ -114,3 +114,55 @@ def test_hdf5_refuses_bfloat16(tmp_path):
 
     with pytest.raises(ConfigError, match="hdf5"):
         ImpressStore(tmp_path, _model(), ImpressConfig(kv_dtype="bfloat16"), storage_format="hdf5")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=4),
+    chunk=st.integers(1, 17),
+    per_head=st.booleans(),
+    data=st.data(),
+)
+def test_layout_gather_matches_a_row_by_row_copy(pieces, chunk, per_head, data):
+    """`PrefixLayout.gather` (what sparse prefills and `store.load` use) returns exactly
+    the rows a row-by-row walk over the units finds, for shared and per-head positions."""
+    from impress_cache.layout import PrefixLayout
+    from impress_cache.radix import RadixNode, Segment
+
+    heads, dim = 2, 3
+    # piece i: rows file_row .. file_row + length of file i (blocks of `chunk` rows)
+    segments = [Segment(RadixNode(i, tuple(range(n)), i, row), n) for i, (row, n) in enumerate(pieces)]
+    files = {}
+    for i, (row, n) in enumerate(pieces):
+        g = torch.Generator().manual_seed(i)
+        files[i] = torch.randn(2, heads, row + n, dim, generator=g)
+    lay = PrefixLayout(segments, lambda _file: chunk)
+    assert lay.length == sum(n for _, n in pieces)
+
+    def block(u):  # the whole disk block of unit u (the last block of a file may be short)
+        unit = lay.units[u]
+        return files[unit.file_id][:, :, unit.block * chunk : (unit.block + 1) * chunk]
+
+    # the expected row of every logical position, walking the segments
+    expect = torch.cat([files[i][:, :, row : row + n] for i, (row, n) in enumerate(pieces)], dim=2)
+    k = data.draw(st.integers(1, lay.length))
+    if per_head:
+        positions = torch.stack([
+            torch.tensor(sorted(data.draw(st.lists(st.integers(0, lay.length - 1), min_size=k, max_size=k, unique=True))))
+            for _ in range(heads)
+        ])
+    else:
+        positions = torch.tensor(sorted(data.draw(st.lists(st.integers(0, lay.length - 1), min_size=k, max_size=k, unique=True))))
+    units = lay.units_for(positions.reshape(-1))
+    keys, values = lay.gather(units, [block(u) for u in units], positions)
+    for h in range(heads):
+        pos = positions[h] if per_head else positions
+        assert torch.equal(keys[h], expect[0, h, pos])
+        assert torch.equal(values[h], expect[1, h, pos])
+    # every position, from every unit
+    all_units = list(range(len(lay.units)))
+    keys, values = lay.gather(all_units, [block(u) for u in all_units])
+    assert torch.equal(keys, expect[0]) and torch.equal(values, expect[1])
+    if len(all_units) > 1:  # position 0 lies in unit 0, whose block is left out
+        with pytest.raises(ValueError, match="not given"):
+            lay.gather(all_units[1:], [block(u) for u in all_units[1:]], torch.tensor([0]))

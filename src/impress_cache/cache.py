@@ -398,8 +398,9 @@ class ImpressCache(Cache):
         if rows is not None:
             counts = torch.bincount(lay.unit_of[rows.reshape(-1)], minlength=len(lay.units))
             per_head = rows.shape[0] if rows.dim() == 2 else 1
-            for u, key in zip(units, keys):
-                share_of[key] = min(1.0, float(counts[u]) / per_head / lay.units[u].count)
+            idx = torch.as_tensor(list(units), dtype=torch.long)
+            shares = (counts[idx].double() / per_head / lay.unit_count[idx]).clamp(max=1.0).tolist()
+            share_of = dict(zip(keys, shares))
         missing = sorted({key for key in keys if key not in self._memo})
         views, nbytes = self.store.read_blocks(missing, [share_of.get(key, 1.0) for key in missing])
         self.stats.blocks_read += len(missing)

@@ -50,7 +50,51 @@ class PrefixLayout:
             unit_of[u.start : u.start + u.count] = i
         #: unit index of every logical position
         self.unit_of = unit_of
+        #: per unit: first logical position, and the unit's first row inside its block
+        self.unit_start = torch.tensor([u.start for u in units], dtype=torch.long)
+        self.unit_first_row = torch.tensor([u.first_row for u in units], dtype=torch.long)
+        #: per unit: how many positions it holds
+        self.unit_count = torch.tensor([u.count for u in units], dtype=torch.long)
 
     def units_for(self, positions: torch.Tensor) -> list[int]:
         """Sorted indices of the units holding ``positions``."""
         return torch.unique(self.unit_of[positions]).tolist()
+
+    def gather(
+        self, units: Sequence[int], blocks: Sequence[torch.Tensor], positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``positions`` from the blocks of ``units``.
+
+        ``blocks[i]`` is the whole ``[2, heads, block_rows, head_dim]`` block of unit
+        ``units[i]``; every position must lie in one of ``units``. ``positions`` is
+        ``[k]`` (the same rows for every head), ``[heads, k]`` (one set per head) or
+        ``None`` (every position, in order). Returns two ``[heads, k, head_dim]``
+        tensors (new memory, not views of the blocks).
+        """
+        stacked = torch.cat(list(blocks), dim=2) if len(blocks) > 1 else blocks[0]
+        idx = self.row_index(units, [b.shape[2] for b in blocks], positions)
+        if idx.dim() == 1:
+            return stacked[0].index_select(1, idx), stacked[1].index_select(1, idx)
+        h, k = idx.shape
+        full = idx.view(1, h, k, 1).expand(2, h, k, stacked.shape[-1])
+        out = stacked.gather(2, full)
+        return out[0], out[1]
+
+    def row_index(
+        self, units: Sequence[int], block_rows: Sequence[int], positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Where ``positions`` are in the blocks of ``units`` laid end to end.
+
+        ``block_rows[i]`` is the number of rows of the block of ``units[i]``. Returns
+        indices of the same shape as ``positions`` (default: every position) into the
+        concatenation of those blocks along their row axis.
+        """
+        if positions is None:
+            positions = torch.arange(self.length)
+        sizes = torch.as_tensor(list(block_rows), dtype=torch.long)
+        base = torch.full((len(self.units),), -1, dtype=torch.long)
+        base[torch.as_tensor(list(units), dtype=torch.long)] = torch.cumsum(sizes, 0) - sizes
+        u = self.unit_of[positions]
+        if bool((base[u] < 0).any()):
+            raise ValueError("a position lies in a unit whose block was not given")
+        return base[u] + positions - self.unit_start[u] + self.unit_first_row[u]

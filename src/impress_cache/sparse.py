@@ -65,47 +65,9 @@ def _normalised_sum(scores: torch.Tensor) -> torch.Tensor:
     return (s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30)).sum(dim=0)
 
 
-def _gather(
-    layout: PrefixLayout, units: list[int], blocks: list[torch.Tensor], positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V rows of ``positions`` (sorted ascending) from already-read unit blocks.
-
-    ``positions`` is ``[k]`` (shared by all heads) or ``[H, k]`` (one set per head).
-    """
-    per_head = positions.dim() == 2
-    h = blocks[0].shape[1]
-    d = blocks[0].shape[-1]
-    k = positions.shape[-1]
-    out_k = torch.empty((h, k, d), dtype=blocks[0].dtype)
-    out_v = torch.empty_like(out_k)
-    slot = {u: i for i, u in enumerate(units)}
-    pos2d = positions if per_head else positions.unsqueeze(0).expand(h, k)
-    unit_ids = layout.unit_of[pos2d]  # [H, k]
-    for u in torch.unique(unit_ids).tolist():
-        unit = layout.units[u]
-        block = blocks[slot[u]]
-        for head in range(h) if per_head else (None,):
-            row_sel = unit_ids[head if per_head else 0] == u
-            rows = pos2d[head if per_head else 0][row_sel] - unit.start + unit.first_row
-            if head is None:
-                out_k[:, row_sel] = block[0, :, rows]
-                out_v[:, row_sel] = block[1, :, rows]
-            else:
-                out_k[head, row_sel] = block[0, head, rows]
-                out_v[head, row_sel] = block[1, head, rows]
-    return out_k, out_v
-
-
 def gather_all(layout: PrefixLayout, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row of the prefix, from the blocks of all its units (in unit order)."""
-    h, d = blocks[0].shape[1], blocks[0].shape[-1]
-    keys = torch.empty((h, layout.length, d), dtype=blocks[0].dtype)
-    values = torch.empty_like(keys)
-    for unit, block in zip(layout.units, blocks):
-        rows = slice(unit.first_row, unit.first_row + unit.count)
-        keys[:, unit.start : unit.start + unit.count] = block[0, :, rows]
-        values[:, unit.start : unit.start + unit.count] = block[1, :, rows]
-    return keys, values
+    return layout.gather(range(len(layout.units)), blocks)
 
 
 def select_row(
@@ -176,7 +138,7 @@ def select_row(
             rows = vote(scores.unsqueeze(0), k)[0]
         units = layout.units_for(rows)
         blocks, nbytes = read_units(units, rows)
-        keys, values = _gather(layout, units, blocks, rows)
+        keys, values = layout.gather(units, blocks, rows)
         itemsize = blocks[0].element_size()
         used = 2 * hkv * k * d * itemsize
         return RowSelection(keys, values, similarity, threshold, False, nbytes, used, rows)
@@ -199,7 +161,7 @@ def select_row(
         full_k, _ = gather_all(layout, blocks)
         kv_scores = _kv_head_scores(queries, full_k.float(), new_keys)
         rows = topk_indices(kv_scores.unsqueeze(0), k)[0]  # [Hkv, k]
-    keys, values = _gather(layout, units, blocks, rows)
+    keys, values = layout.gather(units, blocks, rows)
     itemsize = blocks[0].element_size()
     used = 2 * hkv * k * d * itemsize
     return RowSelection(keys, values, similarity, threshold, True, nbytes, used, rows)
@@ -237,11 +199,11 @@ def _baseline(
         blocks, nbytes = read_units(units, None)
         full_k, _ = gather_all(layout, blocks)
         rows = topk_indices(_kv_head_scores(queries, full_k.float(), new_keys).unsqueeze(0), k)[0]
-        keys, values = _gather(layout, units, blocks, rows)
+        keys, values = layout.gather(units, blocks, rows)
         used = 2 * hkv * k * d * blocks[0].element_size()
         return RowSelection(keys, values, 0.0, 0.0, False, nbytes, used, rows)
     units = layout.units_for(rows)
     blocks, nbytes = read_units(units, rows)
-    keys, values = _gather(layout, units, blocks, rows)
+    keys, values = layout.gather(units, blocks, rows)
     used = 2 * hkv * k * d * blocks[0].element_size()
     return RowSelection(keys, values, 1.0, 0.0, False, nbytes, used, rows)

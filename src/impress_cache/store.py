@@ -255,6 +255,7 @@ class ImpressStore:
         kwargs: dict[str, Any] = {}
         if cfg.policy.lower() == "score":
             kwargs["half_life_s"] = cfg.half_life_s
+            kwargs["unimportant_weight"] = cfg.unimportant_weight
         policy = make_policy(cfg.policy, **kwargs)
         try:
             device = next(self.model.parameters()).device
@@ -610,11 +611,12 @@ class ImpressStore:
         missing = sorted({key for key in keys_of if key not in memo})
         views, nbytes = self.read_blocks(missing, decode=decode)
         memo.update(zip(missing, views))
-        for key, (li, u) in zip(keys_of, wanted):
-            block = self.kv_block(memo[key])
-            rows = slice(u.first_row, u.first_row + u.count)
-            keys[li, :, u.start : u.start + u.count] = block[0, :, rows]
-            values[li, :, u.start : u.start + u.count] = block[1, :, rows]
+        n_units = len(lay.units)
+        for li in range(len(layers)):
+            blocks = [self.kv_block(memo[key]) for key in keys_of[li * n_units : (li + 1) * n_units]]
+            k, v = lay.gather(range(n_units), blocks)
+            keys[li].copy_(k)
+            values[li].copy_(v)
         return LoadedPrefix(keys, values, nbytes, len(missing), time.perf_counter() - t0, layers)
 
     def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
@@ -622,12 +624,15 @@ class ImpressStore:
         layers = list(range(self.spec.num_layers)) if layers is None else list(layers)
         rec = self.probe.record_bytes
         out = [torch.empty((layout.length, rec), dtype=torch.uint8) for _ in layers]
-        wanted = [(li, u) for li in range(len(layers)) for u in layout.units]
-        views, nbytes = self.read_blocks([(u.file_id, PROBE, layers[li], u.block) for li, u in wanted])
-        for view, (li, u) in zip(views, wanted):
-            raw = view if isinstance(view, torch.Tensor) else torch.frombuffer(view, dtype=torch.uint8)
-            block = raw.view(-1, rec)
-            out[li][u.start : u.start + u.count] = block[u.first_row : u.first_row + u.count]
+        n_units = len(layout.units)
+        views, nbytes = self.read_blocks([(u.file_id, PROBE, layer, u.block) for layer in layers for u in layout.units])
+        for li in range(len(layers)):
+            blocks = [
+                (v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8)).view(-1, rec)
+                for v in views[li * n_units : (li + 1) * n_units]
+            ]
+            idx = layout.row_index(range(n_units), [b.shape[0] for b in blocks])
+            torch.index_select(torch.cat(blocks) if n_units > 1 else blocks[0], 0, idx, out=out[li])
         return out, nbytes
 
     def _open_file(self, file_id: int) -> _OpenFile:
