@@ -48,6 +48,24 @@ QUESTION = {
     "prose": "\n\nQuestion: In two sentences, what is the text above about?\nAnswer:",
     "code": "\n\n# Instruction: explain in two sentences what the code above does.\n# Explanation:",
 }
+#: more questions per prefix, for the first-token sweep (prefill only; the first question
+#: above is asked too)
+EXTRA_QUESTIONS = {
+    "prose": [
+        "\n\nQuestion: Which Python feature does the text above describe first?\nAnswer:",
+        "\n\nSummarize the text above in one sentence.\nSummary:",
+        "\n\nQuestion: Name one keyword that appears in the text above.\nAnswer:",
+        "\n\nQ: Is the text above from a tutorial or from a reference manual?\nA:",
+    ],
+    "code": [
+        "\n\n# Question: which classes are defined above?\n# Answer:",
+        "\n\n# Summary of the code above, in one sentence:\n#",
+        "\n\n# Instruction: name two functions defined above.\n# Answer:",
+        "\n\n# Q: what would be a good name for the file above?\n# A:",
+    ],
+}
+#: configurations of the first-token sweep (important_ratio 0.25, decode "full")
+SWEEP = (("impress", "block"), ("impress", "token"))
 STDLIB_SOURCES = ("argparse.py", "inspect.py", "textwrap.py", "dataclasses.py", "tarfile.py", "typing.py")
 
 
@@ -130,13 +148,13 @@ def configurations(ratios: list[float], quick: bool) -> list[dict[str, Any]]:
 
 
 # -- the runs ---------------------------------------------------------------------------
-def run_prefix(model: Any, tok: Any, kind: str, length: int, ratios: list[float], quick: bool, probe_dtype: str, work: Path) -> list[dict[str, Any]]:
+def run_prefix(
+    model: Any, tok: Any, kind: str, length: int, ratios: list[float], quick: bool, base_cfg: dict[str, Any], work: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     prefix = corpus_tokens(tok, kind, length)
     question = tok(QUESTION[kind], add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prefix + question])
     store_dir = work / f"{kind}-{length}"
-    # no memory tiers: every configuration reads its blocks from disk (guest-cold)
-    base_cfg = dict(probe_dtype=probe_dtype, device_bytes=0, host_bytes=0)
     with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **base_cfg)) as store:
         with torch.no_grad():
             c = ImpressCache(store, torch.tensor([prefix + question[:1]]))
@@ -166,10 +184,37 @@ def run_prefix(model: Any, tok: Any, kind: str, length: int, ratios: list[float]
         prefill_bytes = res["bytes_read_probe"] + res["bytes_read_rows"]
         row["prefill_bytes_vs_full"] = prefill_bytes / full_bytes
         rows.append(row)
-    return rows
+    return rows, first_token_sweep(model, tok, kind, length, prefix, store_dir, base_cfg)
 
 
-def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, probe_dtype: str) -> list[dict[str, Any]]:
+def first_token_sweep(
+    model: Any, tok: Any, kind: str, length: int, prefix: list[int], store_dir: Path, base_cfg: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """First token and first-step KL of `SWEEP` against dense, for `EXTRA_QUESTIONS`."""
+    out = []
+    for qi, text in enumerate(EXTRA_QUESTIONS[kind]):
+        ids = torch.tensor([prefix + tok(text, add_special_tokens=False)["input_ids"]])
+        with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **base_cfg)) as store:
+            drop_page_cache(store_dir)
+            ref = forced_run(model, store, ids, [0])["logp"][0]
+        for method, sel in SWEEP:
+            conf = ImpressConfig(important_ratio=0.25, selection=sel, decode="full", **base_cfg)
+            with ImpressStore(store_dir, model, conf) as store:
+                drop_page_cache(store_dir)
+                res = forced_run(model, store, ids, [0])
+            got = res["logp"][0]
+            top2 = ref.topk(2).values
+            out.append({
+                "corpus": kind, "prefix_tokens": length, "question": qi + 1, "method": method, "selection": sel,
+                "first_token": float(got.argmax() == ref.argmax()),
+                "kl_first": float((ref.exp() * (ref - got)).sum()),
+                "dense_margin": float(top2[0] - top2[1]),
+                "prefill_bytes": res["bytes_read_probe"] + res["bytes_read_rows"],
+            })
+    return out
+
+
+def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, base_cfg: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     filler = corpus_tokens(tok, "prose", 3900, offset=20)
     configs = [("dense", 1.0, "block")] + [(m, 0.25, s) for m, s in (("impress", "block"), ("impress-token", "token"), ("random", "random"), ("recent", "recent"), ("h2o", "h2o"))]
@@ -182,11 +227,11 @@ def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, p
             question = tok("\n\nWhat is the pass key? The pass key is", add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prefix + question])
             store_dir = work / f"passkey-{depth}-{seed}"
-            with ImpressStore(store_dir, model, ImpressConfig(probe_dtype=probe_dtype, device_bytes=0, host_bytes=0)) as store, torch.no_grad():
+            with ImpressStore(store_dir, model, ImpressConfig(**base_cfg)) as store, torch.no_grad():
                 c = ImpressCache(store, torch.tensor([prefix + question[:1]]))
                 model(c._ids, past_key_values=c, use_cache=True)
             for name, ratio, sel in configs:
-                conf = ImpressConfig(important_ratio=ratio, selection=sel, decode="full", probe_dtype=probe_dtype, device_bytes=0, host_bytes=0)
+                conf = ImpressConfig(important_ratio=ratio, selection=sel, decode="full", **base_cfg)
                 with ImpressStore(store_dir, model, conf) as store, torch.no_grad():
                     out = model.generate(ids, past_key_values=ImpressCache(store, ids, store_prompt=False), max_new_tokens=8, do_sample=False)
                 answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
@@ -194,7 +239,7 @@ def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, p
     return rows
 
 
-def summarize(rows: list[dict[str, Any]], pk: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], pk: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> dict[str, Any]:
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
 
@@ -218,6 +263,17 @@ def summarize(rows: list[dict[str, Any]], pk: list[dict[str, Any]]) -> dict[str,
     for name in sorted({r["method"] for r in pk}):
         hits = [r["found"] for r in pk if r["method"] == name]
         pk_acc[name] = sum(hits) / len(hits)
+    # first token over every question: the main one (rows) and the extra ones (sweep)
+    pooled: dict[str, dict[str, Any]] = {}
+    for method, sel in SWEEP:
+        main = [r for r in rows if r["method"] == method and r["selection"] == sel and r["decode"] == "full" and r["important_ratio"] == 0.25]
+        extra = [r for r in sweep if r["method"] == method and r["selection"] == sel]
+        hits = [r["first_token"] for r in main + extra]
+        if hits:
+            pooled[sel] = {
+                "first_token": mean(hits), "n": len(hits), "misses": len(hits) - int(sum(hits)),
+                "mean_kl_first_extra": mean([r["kl_first"] for r in extra]),
+            }
     goals = {}
     for sel in ("block", "token"):
         g = table.get(f"impress|{sel}|full|0.25")
@@ -226,13 +282,16 @@ def summarize(rows: list[dict[str, Any]], pk: list[dict[str, Any]]) -> dict[str,
         goals[sel] = {
             "top1_agreement>=0.95": (g["top1_agreement"], g["top1_agreement"] >= 0.95),
             "first_token>=0.98": (g["first_token"], g["first_token"] >= 0.98),
+            "first_token_all_questions>=0.98": (
+                pooled.get(sel, {}).get("first_token"), pooled.get(sel, {}).get("first_token", 0.0) >= 0.98
+            ),
             "prefill_bytes<=0.40": (g["prefill_bytes_vs_full"], g["prefill_bytes_vs_full"] <= 0.40),
             "invalid_io<=0.15": (g["invalid_io_ratio"], g["invalid_io_ratio"] <= 0.15),
         }
         key = "impress" if sel == "block" else "impress-token"
         if pk_acc:
             goals[sel]["passkey==dense"] = ((pk_acc.get(key), pk_acc.get("dense")), pk_acc.get(key) == pk_acc.get("dense"))
-    return {"by_config": table, "passkey_accuracy": pk_acc, "goals_at_0.25_full": goals}
+    return {"by_config": table, "first_token_all_questions": pooled, "passkey_accuracy": pk_acc, "goals_at_0.25_full": goals}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -248,6 +307,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {method} | {sel} | {dec} | {ratio} | {v['top1_agreement']:.3f} | {v['first_token']:.2f} "
             f"| {v['mean_kl']:.4f} | {v['prefill_bytes_vs_full']:.3f} | {v['invalid_io_ratio']:.3f} | {v['fallback_layers']:.1f} |"
         )
+    ft = result["summary"].get("first_token_all_questions", {})
+    if ft:
+        lines += [
+            "",
+            "| selection (ratio 0.25, decode full) | first token, all questions | prompts | misses | first-step KL (extra questions) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for sel, v in ft.items():
+            lines.append(f"| {sel} | {v['first_token']:.3f} | {v['n']} | {v['misses']} | {v['mean_kl_first_extra']:.4f} |")
     pk = result["summary"]["passkey_accuracy"]
     lines += ["", "| passkey (10/50/90% depth of 4k tokens) | " + " | ".join(pk) + " |", "|---|" + "---:|" * len(pk)]
     lines.append("| accuracy | " + " | ".join(f"{v:.2f}" for v in pk.values()) + " |")
@@ -262,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpora", nargs="+", default=["prose", "code"])
     p.add_argument("--probe-dtype", default="int4", choices=["float16", "int8", "int4"])
     p.add_argument("--passkey-seeds", type=int, default=2)
+    p.add_argument("--chunk-tokens", type=int, default=ImpressConfig().chunk_tokens, help="rows per disk block (default: the library default)")
     p.add_argument("--quick", action="store_true", help="1k and 2k prose only, block selection, ratio 0.25, 1 passkey seed")
     p.add_argument("--report", metavar="JSON", help="print the Markdown tables of an earlier run and exit")
     args = p.parse_args(argv)
@@ -275,24 +344,31 @@ def main(argv: list[str] | None = None) -> int:
     print("loading SmolLM2-135M-Instruct...", file=sys.stderr)
     model, tok = load_smollm2()
     rows: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    # no memory tiers: every configuration reads its blocks from disk (guest-cold)
+    base_cfg = dict(probe_dtype=args.probe_dtype, chunk_tokens=args.chunk_tokens, device_bytes=0, host_bytes=0)
     with tempfile.TemporaryDirectory(prefix="impress-fidelity-") as work:
         for kind in args.corpora:
             for length in args.lengths:
                 print(f"prefix: {kind}, {length} tokens", file=sys.stderr, flush=True)
-                rows += run_prefix(model, tok, kind, length, args.ratios, args.quick, args.probe_dtype, Path(work))
+                r, sw = run_prefix(model, tok, kind, length, args.ratios, args.quick, base_cfg, Path(work))
+                rows += r
+                sweep += sw
         print("passkey test", file=sys.stderr, flush=True)
-        pk = passkey(model, tok, [0.1, 0.5, 0.9], args.passkey_seeds, Path(work), args.probe_dtype)
+        pk = passkey(model, tok, [0.1, 0.5, 0.9], args.passkey_seeds, Path(work), base_cfg)
     result = {
         "meta": {
             "command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32), K/V stored in float32",
             "probe_dtype": args.probe_dtype,
+            "chunk_tokens": args.chunk_tokens,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
             "disk": "guest-cold chunk files (fsync + POSIX_FADV_DONTNEED before every configuration)",
             "seconds": round(time.perf_counter() - t0, 1),
         },
-        "summary": summarize(rows, pk),
+        "summary": summarize(rows, pk, sweep),
         "rows": rows,
+        "first_token_sweep": sweep,
         "passkey": pk,
     }
     out = Path(args.out)

@@ -8,7 +8,7 @@ What it does (everything seeded by ``--seed``):
    ``--layers`` (default 8) of 30 decoder layers. Those layers compute exactly what they
    compute in the full model, so their attention (and hence the probe-head selections)
    is the real, peaked attention of SmolLM2, and a block of K/V has SmolLM2's real size
-   (64 tokens x 3 KV heads x 64 dims x K/V x fp16 = 48 KiB). The full 30-layer model
+   (``--chunk-tokens``, default 16: 16 tokens x 3 KV heads x 64 dims x K/V x fp16 = 12 KiB). The full 30-layer model
    would make the run about 4 times longer (over 30 minutes on this 2-core machine).
 2. Corpus: ``--prefixes`` distinct prefixes of ``--min-tokens``..``--max-tokens`` SmolLM2
    tokens, half from ``pydoc_data.topics`` and half from standard-library ``.py``
@@ -165,8 +165,12 @@ def truncate(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     return model
 
 
+#: rows per disk block of the stores here (``--chunk-tokens``; the library default unless set)
+CHUNK_TOKENS = [ImpressConfig().chunk_tokens]
+
+
 def base_config(**kw: Any) -> ImpressConfig:
-    return ImpressConfig(chunk_tokens=64, kv_dtype="float16", fsync=False, stats_interval_s=None, **kw)
+    return ImpressConfig(chunk_tokens=CHUNK_TOKENS[0], kv_dtype="float16", fsync=False, stats_interval_s=None, **kw)
 
 
 def write_base_store(path: Path, model: torch.nn.Module, prefixes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -269,7 +273,7 @@ def run_store(
     result = {
         "config": {k: v for k, v in cfg.to_dict().items() if k in (
             "important_ratio", "decode", "selection", "policy", "device_bytes", "host_bytes",
-            "half_life_s", "tier_shares", "probe_dtype", "probe_heads", "chunk_tokens", "kv_dtype",
+            "half_life_s", "tier_shares", "probe_dtype", "probe_heads", "chunk_tokens", "kv_dtype", "unimportant_weight",
         )},
         "measured_requests": len(ttfts),
         "device_hit_ratio": kv["device"]["hit_ratio"],
@@ -323,10 +327,11 @@ def run_recompute(
 
 
 # ---------------------------------------------------------------------------- report
-def goals(runs: dict[str, Any]) -> dict[str, Any]:
-    s, lru, lfu = runs["score"], runs["lru"], runs["lfu"]
+def goals(runs: dict[str, Any], score: str = "score") -> dict[str, Any]:
+    """The issue's goals for the run ``score`` (a score-policy run) against LRU and LFU."""
+    s, lru, lfu = runs[score], runs["lru"], runs["lfu"]
     gap = s["important_kv_device_hit_rate"] - lru["important_kv_device_hit_rate"]
-    prefill = {k: runs[k]["prefill_bytes_read_disk"] for k in POLICY_RUNS}
+    prefill = {"score": s["prefill_bytes_read_disk"], "lru": lru["prefill_bytes_read_disk"], "lfu": lfu["prefill_bytes_read_disk"]}
     return {
         "important_kv_device_hit_rate": {
             "score": s["important_kv_device_hit_rate"],
@@ -356,7 +361,7 @@ def _bars(ax: Any, groups: list[str], series: dict[str, list[float]], colors: di
         ax.bar_label(bars, fmt=fmt, fontsize=6)
     ax.set_xticks(range(len(groups)), groups)
     top = max((v for vals in series.values() for v in vals), default=1.0)
-    ax.set_ylim(0, top * 1.35 if top > 0 else 1.0)  # room for the legend
+    ax.set_ylim(0, top * 1.6 if top > 0 else 1.0)  # room for the legend
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -398,26 +403,29 @@ def plot(result: dict[str, Any], path: Path) -> None:
     full = {law: w["decode_full"]["runs"] for law, w in result["workloads"].items() if "decode_full" in w}
     if full:
         flaws = list(full)
+        fnames = list(full[flaws[0]])
+        shades = ("#66c2a5", "#a6d854", "#b3de69", "#ccebc5")
+        colors |= {n: shades[i % len(shades)] for i, n in enumerate(x for x in fnames if x.startswith("score-w"))}
         _bars(
             axes[0][2], flaws,
             {f"{n} keep": [runs_of[law][n]["important_kv_device_hit_rate"] * 100 for law in flaws] for n in POLICY_RUNS}
-            | {f"{n} full": [full[law][n]["important_kv_device_hit_rate"] * 100 for law in flaws] for n in POLICY_RUNS},
+            | {f"{n} full": [full[law][n]["important_kv_device_hit_rate"] * 100 for law in flaws] for n in fnames},
             colors, "%.1f",
         )
         for patch in axes[0][2].patches[len(POLICY_RUNS) * len(flaws):]:
             patch.set_hatch("//")
         axes[0][2].set_title("important-KV device hit rate (%): decode keep vs full (hatched)", fontsize=10)
-        axes[0][2].legend(fontsize=7)
+        axes[0][2].legend(fontsize=6, ncol=3, loc="upper center")
         _bars(
             axes[1][2], flaws,
-            {f"{n} prefill": [full[law][n]["prefill_bytes_read_disk_per_request"] * 1e-6 for law in flaws] for n in POLICY_RUNS}
-            | {f"{n} total": [full[law][n]["bytes_read_disk_per_request"] * 1e-6 for law in flaws] for n in POLICY_RUNS},
+            {f"{n} prefill": [full[law][n]["prefill_bytes_read_disk_per_request"] * 1e-6 for law in flaws] for n in fnames}
+            | {f"{n} total": [full[law][n]["bytes_read_disk_per_request"] * 1e-6 for law in flaws] for n in fnames},
             colors, "%.2f",
         )
-        for patch in axes[1][2].patches[len(POLICY_RUNS) * len(flaws):]:
+        for patch in axes[1][2].patches[len(fnames) * len(flaws):]:
             patch.set_hatch("//")
         axes[1][2].set_title("decode='full': MB read from disk per request, prefill vs total (hatched)", fontsize=10)
-        axes[1][2].legend(fontsize=7)
+        axes[1][2].legend(fontsize=6, ncol=2, loc="upper left")
     else:
         axes[0][2].axis("off")
         axes[1][2].axis("off")
@@ -425,7 +433,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"{m['model']['description']}; {m['corpus']['prefixes']} prefixes, {m['requests_per_workload']} requests per "
         f"workload ({m['warmup_requests']} warm-up); device {m['budgets']['device_fraction']:.0%} / host "
-        f"{m['budgets']['host_fraction']:.0%} of stored K/V; {m['disk'].split(' (')[0]} disk",
+        f"{m['budgets']['host_fraction']:.0%} of stored K/V; {m['disk'].split(' (')[0]} disk; 'score' = "
+        f"unimportant_weight {next(iter(result['workloads'].values()))['runs']['score']['config'].get('unimportant_weight', 0):g}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -454,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="zipf,normal")
     ap.add_argument("--full-decode-workloads", default="zipf",
                     help="workloads also run with decode='full' (comma-separated; '' for none)")
+    ap.add_argument("--unimportant-weights", default="0,0.25,0.5,0.75",
+                    help="more decode='full' runs of the score policy with these unimportant_weight values "
+                         "(comma-separated; '' for none), beside the default one")
+    ap.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS[0], help="rows per disk block")
     ap.add_argument("--no-cold", dest="cold", action="store_false", help="keep chunk files in the page cache")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: with 2 threads on 2 cores any other busy process "
@@ -461,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (not for reporting)")
     args = ap.parse_args(argv)
+    CHUNK_TOKENS[0] = args.chunk_tokens
+    weights = [float(w) for w in args.unimportant_weights.split(",") if w.strip()]
     if args.quick:
         args.prefixes, args.min_tokens, args.max_tokens, args.requests = 6, 256, 512, 24
         args.recompute_requests, args.layers = 3, 2
@@ -513,7 +528,15 @@ def main(argv: list[str] | None = None) -> int:
             for policy in POLICY_RUNS:
                 cfg = base_config(important_ratio=args.important_ratio, policy=policy, **common_full)
                 full[policy] = run_store(f"{law}-{policy}-full", base, workdir, model, prefixes, requests, cfg, args)
-            workloads[law]["decode_full"] = {"runs": full, "goals": goals(full)}
+            for w in weights:
+                name = f"score-w{w:g}"
+                cfg = base_config(important_ratio=args.important_ratio, policy="score", unimportant_weight=w, **common_full)
+                full[name] = run_store(f"{law}-{name}-full", base, workdir, model, prefixes, requests, cfg, args)
+            workloads[law]["decode_full"] = {
+                "runs": full,
+                "goals": goals(full),
+                "goals_weighted": {f"score-w{w:g}": goals(full, f"score-w{w:g}") for w in weights},
+            }
     shutil.rmtree(base)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -587,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             "first token) is what TTFT depends on; bytes_read_disk adds the decode reads.",
             "Probe-key copies go through the memory tiers like K/V blocks (share 1.0); bytes_read_disk counts both; "
             "kv_bytes_read_disk and probe_bytes_read_disk split them.",
-            "TTFT on this CPU is dominated by compute and Python overhead, not by I/O (blocks are 48 KiB and "
+            f"TTFT on this CPU is dominated by compute and Python overhead, not by I/O (blocks are {args.chunk_tokens * 768 // 1024} KiB and "
             "a guest-cold read of a whole 4k-token prefix of 8 layers is ~25 MB); other processes on the "
             "machine (see loadavg) add noise. Hit ratios and bytes are deterministic for a seed; times are not.",
             "Recompute TTFT is measured on a seeded subsample of the measured requests (recompute_requests).",

@@ -213,6 +213,28 @@ def test_full_decode_reads_count_as_unimportant_accesses(tmp_path, model):
         assert 0 < len(selected) < len(all_keys)
 
 
+
+@pytest.mark.parametrize("weight", [0.0, 0.25])
+def test_unimportant_weight_values_blocks_read_only_for_decoding(tmp_path, model, weight):
+    """With the paper's score (weight 0) a block read only for decoding is worth nothing;
+    with a weight it is worth that weight per access, a selected block stays above it."""
+    doc = _tok(8, 256)
+    with ImpressStore(tmp_path, model, _cfg()) as store:
+        assert_same_as_uncached(model, store, doc, new_tokens=3)
+        all_keys = _kv_keys(store, doc[0].tolist())
+    cfg = _cfg(important_ratio=0.1, similarity_threshold=0.0, decode="full", unimportant_weight=weight)
+    with ImpressStore(tmp_path, model, cfg, clock=Clock()) as store:
+        assert store.tiers.policy.unimportant_weight == weight
+        _request(model, store, torch.cat([doc, _tok(9, 10)], dim=1), 3)
+        unselected = [k for k in all_keys if store.tiers.importance_share(k) == 0.0]
+        selected = [k for k in all_keys if store.tiers.importance_share(k) == 1.0]
+        assert unselected and selected
+        assert [store.tiers.priority(k) for k in unselected] == pytest.approx([weight] * len(unselected))
+        assert min(store.tiers.priority(k) for k in selected) > weight
+    with pytest.raises(ConfigError, match="unimportant_weight"):
+        _cfg(unimportant_weight=1.5)
+
+
 # ------------------------------------------------------------------- budgets
 @pytest.mark.parametrize("policy", ["score", "lru", "lfu"])
 def test_budgets_are_respected_and_output_stays_exact(tmp_path, model, policy):

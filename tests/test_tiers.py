@@ -81,6 +81,23 @@ def test_score_is_frequency_times_share() -> None:
     assert order == ["many_unimportant", "twice_mid", "once_important"]
 
 
+def test_unimportant_weight_counts_unselected_rows() -> None:
+    pol = ScorePolicy(half_life_s=None, unimportant_weight=0.25)
+    for _ in range(8):
+        pol.on_access("hot_unselected", 0.0, 0.0)  # 8 x 0.25
+    pol.on_access("cold_selected", 0.0, 1.0)  # 1 x 1.0
+    pol.on_access("half", 0.0, 0.5)  # 1 x (0.25 + 0.75 x 0.5)
+    assert pol.priority("hot_unselected", 0.0) == pytest.approx(2.0)
+    assert pol.priority("half", 0.0) == pytest.approx(0.625)
+    order = sorted(pol.keys(), key=lambda k: pol.sort_key(k, 0.0))
+    assert order == ["half", "cold_selected", "hot_unselected"]
+    # the paper's score (weight 0): unselected rows are worth nothing
+    assert ScorePolicy().unimportant_weight == 0.0
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError):
+            ScorePolicy(unimportant_weight=bad)
+
+
 def test_share_moving_average() -> None:
     pol = ScorePolicy(share_ema=0.25)
     pol.on_access("a", 0.0, 0.8)  # first observation sets the average
