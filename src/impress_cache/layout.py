@@ -69,9 +69,11 @@ class PrefixLayout:
         ``units[i]``; every position must lie in one of ``units``. ``positions`` is
         ``[k]`` (the same rows for every head), ``[heads, k]`` (one set per head) or
         ``None`` (every position, in order). Returns two ``[heads, k, head_dim]``
-        tensors (new memory, not views of the blocks).
+        tensors on the CPU (new memory, not views of the blocks), wherever the blocks
+        come from (a device-tier block may live in accelerator memory).
         """
-        stacked = torch.cat(list(blocks), dim=2) if len(blocks) > 1 else blocks[0]
+        blocks = on_cpu(blocks)
+        stacked = torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
         idx = self.row_index(units, [b.shape[2] for b in blocks], positions)
         if idx.dim() == 1:
             return stacked[0].index_select(1, idx), stacked[1].index_select(1, idx)
@@ -98,3 +100,8 @@ class PrefixLayout:
         if bool((base[u] < 0).any()):
             raise ValueError("a position lies in a unit whose block was not given")
         return base[u] + positions - self.unit_start[u] + self.unit_first_row[u]
+
+
+def on_cpu(blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``blocks`` as CPU tensors (blocks from the device tier may be in accelerator memory)."""
+    return [b if b.device.type == "cpu" else b.cpu() for b in blocks]

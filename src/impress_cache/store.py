@@ -36,7 +36,7 @@ from .index import FileRecord, Index
 from .model_info import ModelSpec, model_spec
 from . import probe as probe_codec
 from .importance import choose_probe_heads
-from .layout import PrefixLayout
+from .layout import PrefixLayout, on_cpu
 from .policies import make_policy
 from .radix import Match, RadixNode, RadixTree, Segment
 from .storage import FORMATS, BlockInfo, BlockReader, ReadRequest, iter_blocks
@@ -627,10 +627,10 @@ class ImpressStore:
         n_units = len(layout.units)
         views, nbytes = self.read_blocks([(u.file_id, PROBE, layer, u.block) for layer in layers for u in layout.units])
         for li in range(len(layers)):
-            blocks = [
+            blocks = on_cpu([
                 (v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8)).view(-1, rec)
                 for v in views[li * n_units : (li + 1) * n_units]
-            ]
+            ])
             idx = layout.row_index(range(n_units), [b.shape[0] for b in blocks])
             torch.index_select(torch.cat(blocks) if n_units > 1 else blocks[0], 0, idx, out=out[li])
         return out, nbytes
