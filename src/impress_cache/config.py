@@ -26,7 +26,7 @@ class ImpressConfig:
     chunk_tokens:
         Tokens per disk block. All K and V rows of one layer and one block are stored
         contiguously, so this is the unit of disk I/O and of block selection. The
-        paper uses 64; the default 16 gives sparse prefills a 4x lower first-token KL
+        paper uses 64; the default 16 gives sparse prefills a 3.5x lower first-token KL
         divergence than 64 for the same bytes on SmolLM2 (docs: Sparse loading), at
         the price of more, smaller reads.
     important_ratio:

@@ -73,9 +73,11 @@ class PrefixLayout:
         come from (a device-tier block may live in accelerator memory).
         """
         blocks = on_cpu(blocks)
-        stacked = torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
+        stacked = torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0].clone()
         idx = self.row_index(units, [b.shape[2] for b in blocks], positions)
         if idx.dim() == 1:
+            if idx.numel() == stacked.shape[2] and torch.equal(idx, torch.arange(idx.numel())):
+                return stacked[0], stacked[1]  # every row of every block, in order: no second copy
             return stacked[0].index_select(1, idx), stacked[1].index_select(1, idx)
         h, k = idx.shape
         full = idx.view(1, h, k, 1).expand(2, h, k, stacked.shape[-1])
