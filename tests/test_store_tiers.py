@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -437,15 +438,20 @@ def test_block_statistics_survive_reopen(tmp_path, model, policy):
         keys = _kv_keys(store, doc[0].tolist())
         keys = [k for k in keys if k[0] == keys[0][0]]
         store.read_blocks(keys[:2], [0.2, 0.2])
+        t_before = time.time()
         before = store.tiers.export_stats(keys)
         order = sorted(keys, key=lambda k: (store.tiers.priority(k), k))
     with ImpressStore(tmp_path, model, cfg) as store:
         after = store.tiers.export_stats(keys)
+        elapsed = time.time() - t_before
+        # the score policy's frequency decays over the time between the two exports
+        # (closing and reopening, longer on a loaded machine), and by nothing else
+        decay = 2.0 ** (-elapsed / cfg.half_life_s) if policy == "score" else 1.0
         assert set(after) == set(keys)
         for k in keys:
             assert after[k]["count"] == before[k]["count"] >= 3
             assert after[k]["share"] == pytest.approx(before[k]["share"])
-            assert after[k]["freq"] == pytest.approx(before[k]["freq"], rel=1e-3)
+            assert before[k]["freq"] * decay * (1 - 1e-6) <= after[k]["freq"] <= before[k]["freq"] * (1 + 1e-6)
             assert after[k]["age_s"] >= before[k]["age_s"]
         assert sorted(keys, key=lambda k: (store.tiers.priority(k), k)) == order
         assert len(store.tiers) == 0  # statistics, not payloads
