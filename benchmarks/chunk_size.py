@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fidelity import EXTRA_QUESTIONS, QUESTION, corpus_tokens, forced_run, model_kv_bytes_per_token
+from fidelity import EXTRA_QUESTIONS, QUESTION, corpus_tokens, first_step, forced_run, model_kv_bytes_per_token
 from impress_cache import ImpressConfig, ImpressStore
 from impress_cache.models import load_smollm2
 from impress_cache.store import drop_page_cache
@@ -74,9 +74,9 @@ def measure(model: Any, tok: Any, kind: str, length: int, ct: int, path: Path, r
                     ttft[name].append(res["ttft_s"])
             if name == "dense":
                 ref = res["logp"][0]
-        got = res["logp"][0]
-        agree.append(float(got.argmax() == ref.argmax()))
-        kls.append(float((ref.exp() * (ref - got)).sum()))
+        a, kl = first_step(ref, res["logp"][0])
+        agree.append(a)
+        kls.append(kl)
         prefill.append((res["bytes_read_probe"] + res["bytes_read_rows"]) / full_bytes)
     return {
         "corpus": kind, "prefix_tokens": length, "chunk_tokens": ct, "questions": len(questions),

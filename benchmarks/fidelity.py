@@ -136,6 +136,11 @@ def compare(ref: torch.Tensor, got: torch.Tensor, forced: list[int]) -> dict[str
     }
 
 
+def first_step(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """First-token agreement and KL(dense || config) of one next-token log-distribution."""
+    return float(got.argmax() == ref.argmax()), float((ref.exp() * (ref - got)).sum())
+
+
 def configurations(ratios: list[float], quick: bool) -> list[dict[str, Any]]:
     out = []
     for r in ratios:
@@ -202,12 +207,12 @@ def first_token_sweep(
             with ImpressStore(store_dir, model, conf) as store:
                 drop_page_cache(store_dir)
                 res = forced_run(model, store, ids, [0])
-            got = res["logp"][0]
+            agree, kl = first_step(ref, res["logp"][0])
             top2 = ref.topk(2).values
             out.append({
                 "corpus": kind, "prefix_tokens": length, "question": qi + 1, "method": method, "selection": sel,
-                "first_token": float(got.argmax() == ref.argmax()),
-                "kl_first": float((ref.exp() * (ref - got)).sum()),
+                "first_token": agree,
+                "kl_first": kl,
                 "dense_margin": float(top2[0] - top2[1]),
                 "prefill_bytes": res["bytes_read_probe"] + res["bytes_read_rows"],
             })
