@@ -610,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             "first token) is what TTFT depends on; bytes_read_disk adds the decode reads.",
             "Probe-key copies go through the memory tiers like K/V blocks (share 1.0); bytes_read_disk counts both; "
             "kv_bytes_read_disk and probe_bytes_read_disk split them.",
-            f"TTFT on this CPU is dominated by compute and Python overhead, not by I/O (blocks are {args.chunk_tokens * 768 // 1024} KiB and "
+            f"TTFT on this CPU is dominated by compute and Python overhead, not by I/O (blocks are {args.chunk_tokens * 3 * 64 * 2 * 2 // 1024} KiB: rows x KV heads x head dim x K/V x fp16; "
             "a guest-cold read of a whole 4k-token prefix of 8 layers is ~25 MB); other processes on the "
             "machine (see loadavg) add noise. Hit ratios and bytes are deterministic for a seed; times are not.",
             "Recompute TTFT is measured on a seeded subsample of the measured requests (recompute_requests).",
