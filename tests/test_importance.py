@@ -220,17 +220,33 @@ def test_column_scores_chunking_invariant_and_scaling():
     assert not torch.allclose(c, d)
 
 
-def test_column_scores_gqa_expansion_matches_explicit_repeat():
-    g = torch.Generator().manual_seed(5)
-    B, Hq, Hk, n, P, D = 1, 4, 2, 5, 7, 8
-    q = torch.randn(B, Hq, n, D, generator=g)
-    kp = torch.randn(B, Hk, P, D, generator=g)
-    kn = torch.randn(B, Hk, n, D, generator=g)
-    got = attention_column_scores(q, kp, kn)
-    want = attention_column_scores(
-        q, kp.repeat_interleave(2, dim=1), kn.repeat_interleave(2, dim=1)
-    )
-    torch.testing.assert_close(got, want)
+@FAST
+@given(
+    Hk=st.integers(1, 2),
+    group=st.integers(1, 3),
+    n=st.integers(1, 6),
+    P=st.integers(1, 9),
+    with_new=st.booleans(),
+    with_qmask=st.booleans(),
+    with_pmask=st.booleans(),
+    chunk=st.integers(1, 7),
+    seed=st.integers(0, 10_000),
+)
+def test_column_scores_gqa_match_naive_with_repeated_keys(Hk, group, n, P, with_new, with_qmask, with_pmask, chunk, seed):
+    """Query heads sharing a KV head (grouped-query attention) score as if every query
+    head had its own copy of the keys (head h uses KV head h // group)."""
+    g = torch.Generator().manual_seed(seed)
+    B, D = 2, 4
+    q = torch.randn(B, Hk * group, n, D, generator=g) * 2
+    kp = torch.randn(B, Hk, P, D, generator=g) * 2
+    kn = torch.randn(B, Hk, n, D, generator=g) * 2 if with_new else None
+    qmask = torch.rand(B, n, generator=g) > 0.3 if with_qmask else None
+    pmask = torch.rand(B, P, generator=g) > 0.3 if with_pmask else None
+    got = attention_column_scores(q, kp, kn, query_mask=qmask, prefix_mask=pmask, chunk_rows=chunk)
+    rep_kn = kn.repeat_interleave(group, dim=1) if kn is not None else None
+    want, _ = _naive_column_scores(q, kp.repeat_interleave(group, dim=1), rep_kn, 1 / math.sqrt(D), qmask, pmask)
+    assert got.shape == (B, Hk * group, P)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_column_scores_half_precision_inputs_give_float32():

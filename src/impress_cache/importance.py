@@ -195,16 +195,12 @@ def attention_column_scores(
         return out
 
     group = Hq // Hk
-    q = queries.to(torch.float32)
-    kp = prefix_keys.to(torch.float32)
-    kn = new_keys.to(torch.float32) if new_keys is not None else None
-    if group > 1:
-        kp = kp.repeat_interleave(group, dim=1)
-        if kn is not None:
-            kn = kn.repeat_interleave(group, dim=1)
-    # Fold the scale into the keys once instead of into every logit chunk.
-    kp_t = (kp * scaling).transpose(-1, -2)  # [B, Hq, D, P]
-    kn_t = (kn * scaling).transpose(-1, -2) if kn is not None else None  # [B, Hq, D, n]
+    # Grouped-query attention without copying keys: the query heads of one KV group are
+    # stacked as extra rows ([B, Hk, group * rows, D]) against that group's keys. The
+    # scale is folded into the (few) queries instead of the (many) keys.
+    qg = (queries.to(torch.float32) * scaling).view(B, Hk, group, n, D)
+    kp_t = prefix_keys.to(torch.float32).transpose(-1, -2)  # [B, Hk, D, P]
+    kn_t = new_keys.to(torch.float32).transpose(-1, -2) if new_keys is not None else None  # [B, Hk, D, n]
 
     neg_inf = float("-inf")
     prefix_bias: Optional[Tensor] = None
@@ -228,27 +224,28 @@ def attention_column_scores(
     positions = torch.arange(n, device=device)
     for start in range(0, n, chunk_rows):
         stop = min(start + chunk_rows, n)
-        qc = q[:, :, start:stop, :]  # [B, Hq, c, D]
-        logits_p = torch.matmul(qc, kp_t)  # [B, Hq, c, P]
+        c = stop - start
+        qc = qg[:, :, :, start:stop, :].reshape(B, Hk, group * c, D)  # rows: (head in group, position)
+        logits_p = torch.matmul(qc, kp_t)  # [B, Hk, group * c, P]
         if prefix_bias is not None:
             logits_p = logits_p + prefix_bias
-        lse = torch.logsumexp(logits_p, dim=-1)  # [B, Hq, c]
+        lse = torch.logsumexp(logits_p, dim=-1)  # [B, Hk, group * c]
         if kn_t is not None:
             # Rows start..stop-1 can only see new keys 0..stop-1.
-            logits_n = torch.matmul(qc, kn_t[..., :stop])  # [B, Hq, c, stop]
+            logits_n = torch.matmul(qc, kn_t[..., :stop])  # [B, Hk, group * c, stop]
             causal = positions[None, :stop] > positions[start:stop, None]  # [c, stop]
-            logits_n = logits_n.masked_fill(causal, neg_inf)
+            logits_n = logits_n.masked_fill(causal.repeat(group, 1), neg_inf)
             if newkey_bias is not None:
                 logits_n = logits_n + newkey_bias[..., :stop]
             lse = torch.logaddexp(lse, torch.logsumexp(logits_n, dim=-1))
             del logits_n
         # Rows that see no key at all have lse = -inf; make them contribute zero.
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        probs = torch.exp(logits_p - lse.unsqueeze(-1))  # [B, Hq, c, P]
+        probs = torch.exp(logits_p - lse.unsqueeze(-1))  # [B, Hk, group * c, P]
         if qm is not None:
-            w = qm[:, start:stop].to(torch.float32)[:, None, :, None]  # [B, 1, c, 1]
-            probs = probs * w
-        out += probs.sum(dim=2)
+            w = qm[:, start:stop].to(torch.float32)[:, None, None, :].expand(B, 1, group, c)
+            probs = probs * w.reshape(B, 1, group * c, 1)
+        out += probs.view(B, Hk, group, c, P).sum(dim=3).view(B, Hq, P)
         del probs, logits_p
     return out
 

@@ -121,11 +121,10 @@ def select_row(
     # Score with every query head of the probed KV groups: with grouped-query attention
     # the I/O cost is per KV head, and the extra query heads cost only compute. Each
     # probed KV head gets one score row (its group's column sums added up).
-    kv_slot = {kv: i for i, kv in enumerate(probe_kv_heads)}
-    q_heads = [h for h in range(hq) if h // group in kv_slot]
-    pk = probe_keys[[kv_slot[h // group] for h in q_heads]]  # [len(q_heads), P, D]
-    nk = new_keys[[h // group for h in q_heads]].float()
-    per_q = attention_column_scores(queries[q_heads].unsqueeze(0), pk.unsqueeze(0), nk.unsqueeze(0))[0]
+    # the query heads of each probed KV head, in probe-copy order (grouped: no key copies)
+    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
+    nk = new_keys[list(probe_kv_heads)]
+    per_q = attention_column_scores(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
     scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
     per_head = topk_indices(scores.unsqueeze(0), k)  # [1, Hp, k]
