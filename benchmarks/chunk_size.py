@@ -1,6 +1,6 @@
 """Block size sweep: what ``chunk_tokens`` costs and buys, on SmolLM2-135M.
 
-    python benchmarks/chunk_size.py --out results/chunk_size.json     # ~8 min
+    python benchmarks/chunk_size.py --out results/chunk_size.json     # ~6 min
 
 A disk block holds ``chunk_tokens`` rows of one layer; it is the unit of disk I/O and of
 block selection. Smaller blocks let a sparse prefill take the rows it wants with less

@@ -165,17 +165,13 @@ def truncate(model: torch.nn.Module, layers: int) -> torch.nn.Module:
     return model
 
 
-#: rows per disk block of the stores here (``--chunk-tokens``; the library default unless set)
-CHUNK_TOKENS = [ImpressConfig().chunk_tokens]
+def base_config(chunk_tokens: int, **kw: Any) -> ImpressConfig:
+    return ImpressConfig(chunk_tokens=chunk_tokens, kv_dtype="float16", fsync=False, stats_interval_s=None, **kw)
 
 
-def base_config(**kw: Any) -> ImpressConfig:
-    return ImpressConfig(chunk_tokens=CHUNK_TOKENS[0], kv_dtype="float16", fsync=False, stats_interval_s=None, **kw)
-
-
-def write_base_store(path: Path, model: torch.nn.Module, prefixes: list[dict[str, Any]]) -> dict[str, Any]:
+def write_base_store(path: Path, model: torch.nn.Module, prefixes: list[dict[str, Any]], chunk_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    with ImpressStore(path, model, base_config(important_ratio=1.0)) as store:
+    with ImpressStore(path, model, base_config(chunk_tokens, important_ratio=1.0)) as store:
         for p in prefixes:
             ids = torch.tensor([p["tokens"]])
             with torch.no_grad():
@@ -466,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unimportant-weights", default="0,0.25,0.5,0.75",
                     help="more decode='full' runs of the score policy with these unimportant_weight values "
                          "(comma-separated; '' for none), beside the default one")
-    ap.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS[0], help="rows per disk block")
+    ap.add_argument("--chunk-tokens", type=int, default=ImpressConfig().chunk_tokens, help="rows per disk block")
     ap.add_argument("--no-cold", dest="cold", action="store_false", help="keep chunk files in the page cache")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 by default: with 2 threads on 2 cores any other busy process "
@@ -474,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (not for reporting)")
     args = ap.parse_args(argv)
-    CHUNK_TOKENS[0] = args.chunk_tokens
     weights = [float(w) for w in args.unimportant_weights.split(",") if w.strip()]
     if args.quick:
         args.prefixes, args.min_tokens, args.max_tokens, args.requests = 6, 256, 512, 24
@@ -496,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     base = workdir / "base"
     if base.exists():
         shutil.rmtree(base)
-    stored = write_base_store(base, model, prefixes)
+    stored = write_base_store(base, model, prefixes, args.chunk_tokens)
     log.info("base store: %s", stored)
     device_bytes = int(args.device_fraction * stored["kv_bytes"])
     host_bytes = int(args.host_fraction * stored["kv_bytes"])
@@ -510,9 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, Any] = {}
         common = dict(device_bytes=device_bytes, host_bytes=host_bytes, decode="keep")
         for policy in POLICY_RUNS:
-            cfg = base_config(important_ratio=args.important_ratio, policy=policy, **common)
+            cfg = base_config(args.chunk_tokens, important_ratio=args.important_ratio, policy=policy, **common)
             runs[policy] = run_store(f"{law}-{policy}", base, workdir, model, prefixes, requests, cfg, args)
-        cfg = base_config(important_ratio=1.0, policy="lru", **common)
+        cfg = base_config(args.chunk_tokens, important_ratio=1.0, policy="lru", **common)
         runs["as_like"] = run_store(f"{law}-as_like", base, workdir, model, prefixes, requests, cfg, args)
         workloads[law] = {
             "requests_per_prefix": counts,
@@ -526,11 +521,11 @@ def main(argv: list[str] | None = None) -> int:
             full: dict[str, Any] = {}
             common_full = {**common, "decode": "full"}
             for policy in POLICY_RUNS:
-                cfg = base_config(important_ratio=args.important_ratio, policy=policy, **common_full)
+                cfg = base_config(args.chunk_tokens, important_ratio=args.important_ratio, policy=policy, **common_full)
                 full[policy] = run_store(f"{law}-{policy}-full", base, workdir, model, prefixes, requests, cfg, args)
             for w in weights:
                 name = f"score-w{w:g}"
-                cfg = base_config(important_ratio=args.important_ratio, policy="score", unimportant_weight=w, **common_full)
+                cfg = base_config(args.chunk_tokens, important_ratio=args.important_ratio, policy="score", unimportant_weight=w, **common_full)
                 full[name] = run_store(f"{law}-{name}-full", base, workdir, model, prefixes, requests, cfg, args)
             workloads[law]["decode_full"] = {
                 "runs": full,

@@ -156,6 +156,7 @@ def test_planted_tokens_in_every_head_topk_and_vote(seed):
 @given(
     B=st.integers(1, 2),
     H=st.integers(1, 3),
+    group=st.integers(1, 3),
     n=st.integers(1, 7),
     P=st.integers(1, 9),
     D=st.integers(1, 6),
@@ -165,9 +166,12 @@ def test_planted_tokens_in_every_head_topk_and_vote(seed):
     chunk=st.integers(1, 8),
     seed=st.integers(0, 10_000),
 )
-def test_column_scores_match_naive(B, H, n, P, D, with_new, with_qmask, with_pmask, chunk, seed):
+def test_column_scores_match_naive(B, H, group, n, P, D, with_new, with_qmask, with_pmask, chunk, seed):
+    """H KV heads, each shared by ``group`` query heads (grouped-query attention: query
+    head h uses KV head h // group); the naive version gives every query head its own
+    copy of the keys."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, n, D, generator=g) * 2
+    q = torch.randn(B, H * group, n, D, generator=g) * 2
     kp = torch.randn(B, H, P, D, generator=g) * 2
     kn = torch.randn(B, H, n, D, generator=g) * 2 if with_new else None
     qmask = torch.rand(B, n, generator=g) > 0.3 if with_qmask else None
@@ -176,7 +180,9 @@ def test_column_scores_match_naive(B, H, n, P, D, with_new, with_qmask, with_pma
     got = attention_column_scores(
         q, kp, kn, query_mask=qmask, prefix_mask=pmask, chunk_rows=chunk
     )
-    want, probs = _naive_column_scores(q, kp, kn, scaling, qmask, pmask)
+    rep_kn = kn.repeat_interleave(group, dim=1) if kn is not None else None
+    want, probs = _naive_column_scores(q, kp.repeat_interleave(group, dim=1), rep_kn, scaling, qmask, pmask)
+    H = H * group  # query heads, from here on
     assert got.dtype == torch.float32 and got.shape == (B, H, P)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # every row that sees at least one key is a probability distribution
@@ -218,35 +224,6 @@ def test_column_scores_chunking_invariant_and_scaling():
     want, _ = _naive_column_scores(q, kp, kn, 0.5 / math.sqrt(D), None, None)
     torch.testing.assert_close(d.double(), want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(c, d)
-
-
-@FAST
-@given(
-    Hk=st.integers(1, 2),
-    group=st.integers(1, 3),
-    n=st.integers(1, 6),
-    P=st.integers(1, 9),
-    with_new=st.booleans(),
-    with_qmask=st.booleans(),
-    with_pmask=st.booleans(),
-    chunk=st.integers(1, 7),
-    seed=st.integers(0, 10_000),
-)
-def test_column_scores_gqa_match_naive_with_repeated_keys(Hk, group, n, P, with_new, with_qmask, with_pmask, chunk, seed):
-    """Query heads sharing a KV head (grouped-query attention) score as if every query
-    head had its own copy of the keys (head h uses KV head h // group)."""
-    g = torch.Generator().manual_seed(seed)
-    B, D = 2, 4
-    q = torch.randn(B, Hk * group, n, D, generator=g) * 2
-    kp = torch.randn(B, Hk, P, D, generator=g) * 2
-    kn = torch.randn(B, Hk, n, D, generator=g) * 2 if with_new else None
-    qmask = torch.rand(B, n, generator=g) > 0.3 if with_qmask else None
-    pmask = torch.rand(B, P, generator=g) > 0.3 if with_pmask else None
-    got = attention_column_scores(q, kp, kn, query_mask=qmask, prefix_mask=pmask, chunk_rows=chunk)
-    rep_kn = kn.repeat_interleave(group, dim=1) if kn is not None else None
-    want, _ = _naive_column_scores(q, kp.repeat_interleave(group, dim=1), rep_kn, 1 / math.sqrt(D), qmask, pmask)
-    assert got.shape == (B, Hk * group, P)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_column_scores_half_precision_inputs_give_float32():
