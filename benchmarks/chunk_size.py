@@ -36,8 +36,7 @@ import torch
 
 from fidelity import EXTRA_QUESTIONS, QUESTION, corpus_tokens, first_step, forced_run, model_kv_bytes_per_token
 from impress_cache import ImpressConfig, ImpressStore
-from impress_cache.models import load_smollm2
-from impress_cache.store import drop_page_cache
+from impress_cache.tools import drop_page_cache, load_smollm2
 
 
 def store_prefix(model: Any, prefix: list[int], dirs: dict[int, Path]) -> None:

@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
-from impress_cache.models import load_smollm2
-from impress_cache.store import drop_page_cache
+from impress_cache.tools import drop_page_cache, load_smollm2
 
 QUESTION = {
     "prose": "\n\nQuestion: In two sentences, what is the text above about?\nAnswer:",
@@ -162,8 +161,8 @@ def run_prefix(
     store_dir = work / f"{kind}-{length}"
     with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **base_cfg)) as store:
         with torch.no_grad():
-            c = ImpressCache(store, torch.tensor([prefix + question[:1]]))
-            model(c._ids, past_key_values=c, use_cache=True)  # compute and store the prefix once
+            first = torch.tensor([prefix + question[:1]])
+            model(first, past_key_values=ImpressCache(store, first), use_cache=True)  # compute and store the prefix once
         store.flush()
         drop_page_cache(store_dir)
         # dense reference: greedy tokens, then the same forced run
@@ -233,8 +232,8 @@ def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, b
             ids = torch.tensor([prefix + question])
             store_dir = work / f"passkey-{depth}-{seed}"
             with ImpressStore(store_dir, model, ImpressConfig(**base_cfg)) as store, torch.no_grad():
-                c = ImpressCache(store, torch.tensor([prefix + question[:1]]))
-                model(c._ids, past_key_values=c, use_cache=True)
+                first = torch.tensor([prefix + question[:1]])
+                model(first, past_key_values=ImpressCache(store, first), use_cache=True)
             for name, ratio, sel in configs:
                 conf = ImpressConfig(important_ratio=ratio, selection=sel, decode="full", **base_cfg)
                 with ImpressStore(store_dir, model, conf) as store, torch.no_grad():

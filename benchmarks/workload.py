@@ -57,9 +57,9 @@ from typing import Any
 import torch
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
-from impress_cache.models import load_smollm2
 from impress_cache.storage.base import KV
-from impress_cache.store import CHUNK_DIR, INDEX_NAME, drop_page_cache
+from impress_cache.store import CHUNK_DIR, INDEX_NAME
+from impress_cache.tools import drop_page_cache, load_smollm2
 
 log = logging.getLogger("workload")
 
@@ -254,7 +254,7 @@ def run_store(
             ids = torch.tensor([prefixes[req["prefix"]]["tokens"] + req["suffix"]])
             if args.cold:
                 drop_page_cache(path)
-            before = store.counters.bytes_read_disk
+            before = store.stats()["bytes_read_disk"]
             dt = _ttft(model, ids, store)
             if cfg.decode == "full":
                 # the rest of the prefix is read in the background after the prefill; wait
@@ -262,7 +262,7 @@ def run_store(
                 store.fetcher.submit(lambda: None).result()
             if r >= warm:
                 ttfts.append(dt)
-                disk_per_request.append(store.counters.bytes_read_disk - before)
+                disk_per_request.append(store.stats()["bytes_read_disk"] - before)
         s = store.stats()
     shutil.rmtree(path)
     kv = s["lookups"]["kv"]

@@ -28,9 +28,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
-from impress_cache.models import load_smollm2
-from impress_cache.progress import prefill_progress
-from impress_cache.store import drop_page_cache
+from impress_cache.tools import drop_page_cache, load_smollm2, prefill_progress
 
 TOPICS = ("assignment", "raise", "augassign")
 QUESTIONS = (

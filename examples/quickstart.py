@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
-from impress_cache.models import load_smollm2
+from impress_cache.tools import load_smollm2
 
 logging.basicConfig(level=logging.WARNING)
 torch.set_num_threads(2)

@@ -63,7 +63,7 @@ def tiny_llama() -> torch.nn.Module:
 
 @functools.lru_cache(maxsize=1)
 def _smollm2():
-    from impress_cache.models import load_smollm2
+    from impress_cache.tools import load_smollm2
 
     return load_smollm2()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from impress_cache import ImpressCache, ImpressStore
+from impress_cache.storage.base import KV
+from impress_cache.store.blockset import BlockSet
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +56,20 @@ def store_dense(path, model, doc: torch.Tensor, config=None, new_tokens=8) -> No
     config = config if config is not None else ImpressConfig(chunk_tokens=16, important_ratio=1.0)
     with ImpressStore(path, model, config) as store:
         assert_same_as_uncached(model, store, doc, new_tokens=new_tokens)
+
+
+def blockset_of(layout, units, keys: torch.Tensor, values: torch.Tensor) -> BlockSet:
+    """The K/V blocks of ``units`` cut from in-memory ``[H, P, D]`` keys and values, as the
+    store's read path returns them (one slot per unit, rows at the start of each slot)."""
+    ct = max(layout.units[u].first_row + layout.units[u].count for u in units)
+    h, _, d = keys.shape
+    pool = torch.zeros(len(units), 2, h, ct, d, dtype=keys.dtype)
+    rows = []
+    for slot, u in enumerate(units):
+        unit = layout.units[u]
+        sl = slice(unit.start, unit.start + unit.count)
+        r = unit.first_row
+        pool[slot, 0, :, r : r + unit.count] = keys[:, sl]
+        pool[slot, 1, :, r : r + unit.count] = values[:, sl]
+        rows.append(r + unit.count)
+    return BlockSet(KV, pool, rows, list(range(len(units))))

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-from .cache import ImpressCache
 from .config import ImpressConfig
 from .errors import (
     CacheUsageError,
@@ -15,6 +14,8 @@ from .errors import (
     ModelMismatchError,
     UnsupportedModelError,
 )
+from .hf.cache import ImpressCache
+from .hf.hooks import remove_hooks
 from .model_info import SUPPORTED_MODEL_TYPES
 from .stats import RequestStats
 from .store import ImpressStore
@@ -34,4 +35,5 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
     "__version__",
+    "remove_hooks",
 ]

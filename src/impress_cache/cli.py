@@ -14,9 +14,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .errors import CorruptBlockError
-from .index import Index
-from .storage import BlockReader, ReadRequest
-from .store import CHUNK_DIR, INDEX_NAME
+from .index.sqlite import Index
+from .storage import BlockReader, Extent
+from .store.catalog import CHUNK_DIR
+from .store.store import INDEX_NAME
 
 
 def _open_index(path: Path) -> Index:
@@ -51,9 +52,15 @@ def verify(path: Path) -> list[dict]:
     try:
         for rec in tqdm(index.files(), desc="verifying", unit="file"):
             fpath = path / CHUNK_DIR / rec.name
-            reqs = [ReadRequest(rec.id, fpath, b.offset, b.nbytes, b.crc32) for b in index.blocks(rec.id).values()]
+            blocks = list(index.blocks(rec.id).values())
+            buf = memoryview(bytearray(max((b.nbytes for b in blocks), default=0) * len(blocks)))
+            size = max((b.nbytes for b in blocks), default=0)
+            extents = [
+                Extent(rec.id, fpath, b.offset, b.nbytes, b.checksum, buf[i * size : (i + 1) * size])
+                for i, b in enumerate(blocks)
+            ]
             try:
-                reader.read(reqs)
+                reader.read_into(extents)
             except CorruptBlockError as exc:
                 bad.append({"file": rec.name, "error": str(exc)})
     finally:

@@ -6,9 +6,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .policies import POLICIES
+from .probe import ENCODINGS
+from .selection.modes import SELECTION_MODES
+from .tiers.policies import POLICIES
+from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
+from .validate import check_choice, check_class_shares, check_int, check_seconds, check_unit, is_number
 
-_SELECTIONS = ("token", "block", "random", "recent", "h2o")
 _DECODES = ("full", "keep")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -71,7 +74,7 @@ class ImpressConfig:
         the lowest value are removed, never one in use.
     policy:
         Eviction policy of the memory tiers, a name registered in
-        ``impress_cache.policies.POLICIES``: ``"score"`` (IMPRESS: decayed access
+        ``impress_cache.tiers.policies.POLICIES``: ``"score"`` (IMPRESS: decayed access
         frequency x important share, see ``unimportant_weight``), ``"lru"`` or
         ``"lfu"``.
     tier_shares:
@@ -121,86 +124,39 @@ class ImpressConfig:
     )
     fsync: bool = True
     half_life_s: float | None = 600.0
-    unimportant_weight: float = 0.1
+    unimportant_weight: float = DEFAULT_UNIMPORTANT_WEIGHT
     stats_interval_s: float | None = 60.0
 
     def __post_init__(self) -> None:
-        _check_int(self, "chunk_tokens", 1, 1 << 16)
-        if not _is_number(self.important_ratio) or not (0.0 < float(self.important_ratio) <= 1.0):
-            raise ConfigError(
-                f"important_ratio must be a number in (0, 1], got {self.important_ratio!r}"
-            )
-        _check_int(self, "probe_heads", 1, 1024)
-        if not _is_number(self.similarity_alpha) or not (0.0 < float(self.similarity_alpha) <= 10.0):
-            raise ConfigError(
-                f"similarity_alpha must be in (0, 10], got {self.similarity_alpha!r}"
-            )
-        if self.similarity_threshold is not None and (
-            not _is_number(self.similarity_threshold) or not (0.0 <= float(self.similarity_threshold) <= 1.0)
-        ):
-            raise ConfigError(
-                "similarity_threshold must be None or in [0, 1], "
-                f"got {self.similarity_threshold!r}"
-            )
-        _check_choice(self, "selection", _SELECTIONS)
-        _check_choice(self, "probe_dtype", ("float16", "int8", "int4"))
-        _check_choice(self, "decode", _DECODES)
-        _check_choice(self, "kv_dtype", _KV_DTYPES)
-        _check_int(self, "io_threads", 1, 256)
+        check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
+        check_unit("important_ratio", self.important_ratio, open_low=True)
+        check_int("probe_heads", self.probe_heads, 1, 1024)
+        if not is_number(self.similarity_alpha) or not (0.0 < float(self.similarity_alpha) <= 10.0):
+            raise ConfigError(f"similarity_alpha must be in (0, 10], got {self.similarity_alpha!r}")
+        if self.similarity_threshold is not None:
+            check_unit("similarity_threshold", self.similarity_threshold)
+        check_choice("selection", self.selection, SELECTION_MODES)
+        check_choice("probe_dtype", self.probe_dtype, ENCODINGS)
+        check_choice("decode", self.decode, _DECODES)
+        check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
+        check_int("io_threads", self.io_threads, 1, 256)
         if not isinstance(self.fsync, bool):
             raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
-        _check_int(self, "device_bytes", 0, None)
-        _check_int(self, "host_bytes", 0, None)
+        check_int("device_bytes", self.device_bytes, 0)
+        check_int("host_bytes", self.host_bytes, 0)
         if self.disk_bytes is not None:
-            _check_int(self, "disk_bytes", 1, None)
+            check_int("disk_bytes", self.disk_bytes, 1)
         if not isinstance(self.policy, str) or self.policy.lower() not in POLICIES:
             raise ConfigError(
                 f"policy must be one of {', '.join(map(repr, sorted(POLICIES)))} "
-                f"(the names registered in impress_cache.policies.POLICIES), got {self.policy!r}"
+                f"(the names registered in impress_cache.tiers.policies.POLICIES), got {self.policy!r}"
             )
-        shares = self.tier_shares
-        if set(shares) != {"high", "medium", "low"} or any(
-            not isinstance(v, (int, float)) or v < 0 for v in shares.values()
-        ):
-            raise ConfigError(
-                "tier_shares must map 'high', 'medium' and 'low' to non-negative "
-                f"numbers, got {shares!r}"
-            )
-        if abs(sum(shares.values()) - 1.0) > 1e-6:
-            raise ConfigError(f"tier_shares must sum to 1, got {sum(shares.values())}")
-        w = self.unimportant_weight
-        if not _is_number(w) or not (0.0 <= float(w) <= 1.0):
-            raise ConfigError(f"unimportant_weight must be a number in [0, 1], got {w!r}")
-        for name in ("half_life_s", "stats_interval_s"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not float(value) > 0.0
-            ):
-                raise ConfigError(
-                    f"{name} must be None or a positive number of seconds, got {value!r}"
-                )
+        check_class_shares("tier_shares", self.tier_shares)
+        check_unit("unimportant_weight", self.unimportant_weight)
+        check_seconds("half_life_s", self.half_life_s)
+        check_seconds("stats_interval_s", self.stats_interval_s)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""
         return asdict(self)
 
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(cfg: ImpressConfig, name: str, lo: int, hi: int | None) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        upper = "" if hi is None else f" and <= {hi}"
-        raise ConfigError(f"{name} must be >= {lo}{upper}, got {value}")
-
-
-def _check_choice(cfg: ImpressConfig, name: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -30,8 +30,10 @@ class RequestStats:
     ``bytes_read_rows`` (K/V blocks read during the prefill) and ``bytes_read_decode``
     (the rest of the prefix, read after the prefill when ``decode="full"``).
     ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
-    (summed over batch rows). ``invalid_io_ratio`` is the share of the prefill's K/V
-    bytes that no attention head used.
+    (summed over batch rows). ``bytes_unattended_rows`` is the part of the K/V blocks
+    read from disk for the prefill that no attention head attends to (from each block's
+    share of selected rows), and ``invalid_io_ratio`` its share of those blocks' bytes
+    (the same definition as ``store.stats()["invalid_io_ratio"]``).
     """
 
     matched_tokens: int = 0
@@ -46,7 +48,7 @@ class RequestStats:
     bytes_read_probe: int = 0
     bytes_read_rows: int = 0
     bytes_read_decode: int = 0
-    bytes_used_rows: int = 0
+    bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0
     layer_similarity: list[float] = field(default_factory=list)
     layer_threshold: list[float] = field(default_factory=list)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .base import ALIGN, KV, PROBE, BlockData, BlockInfo, ChunkFormat, iter_blocks
+from .base import ALIGN, KV, PROBE, BlockData, BlockInfo, BlockKey, ChunkFormat, checksum, iter_blocks
 from .hdf5_format import HDF5Format
-from .reader import BlockReader, ReadRequest
+from .reader import BlockReader, Extent, ReadBatch
 from .safetensors_format import SafetensorsFormat
 
 #: format name -> class; a new format is one module plus one line here
@@ -19,11 +19,14 @@ __all__ = [
     "PROBE",
     "BlockData",
     "BlockInfo",
+    "BlockKey",
     "BlockReader",
     "ChunkFormat",
     "FORMATS",
     "HDF5Format",
-    "ReadRequest",
+    "Extent",
+    "ReadBatch",
     "SafetensorsFormat",
+    "checksum",
     "iter_blocks",
 ]

@@ -31,7 +31,7 @@ class BlockInfo:
     """Where one block lives inside a chunk file.
 
     ``kind`` is ``KV`` for a ``[2, kv_heads, rows, head_dim]`` K/V block and ``PROBE`` for
-    the compact probe-key copy of the same rows.
+    a piece of the compact probe-key copy (``chunk_tokens`` rows of one layer's copy).
     """
 
     kind: int
@@ -40,11 +40,16 @@ class BlockInfo:
     rows: int
     offset: int
     nbytes: int
-    crc32: int
+    checksum: int
 
 
+#: kind of a K/V block: ``[2, kv_heads, rows, head_dim]`` in the stored dtype
 KV = 0
+#: kind of a probe-key piece: ``uint8 [rows, record_bytes]`` (see `impress_cache.probe`)
 PROBE = 1
+
+#: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
+BlockKey = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,9 @@ def iter_blocks(
             yield BlockData(KV, layer, block, end - start, kv.dtype, tuple(kv.shape), tensor_bytes(kv))
 
 
-def crc32(data: bytes | memoryview) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
+def checksum(data: bytes | memoryview, seed: int = 0) -> int:
+    """Checksum of one block's bytes (CRC-32 started from ``seed``)."""
+    return zlib.crc32(data, seed) & 0xFFFFFFFF
 
 
 class ChunkFormat(ABC):

@@ -1,6 +1,7 @@
 """Chunk files in HDF5: one contiguous dataset per block, 4 KiB aligned.
 
-Datasets are named like the safetensors tensors (``L{layer}/B{block}``, ``P{layer}/B{block}``)
+Datasets are named like the safetensors tensors (``L{layer}/B{block}`` for K/V blocks,
+``P{layer}`` for a layer's probe-key copy)
 and use the contiguous layout (no HDF5 chunking or filters), so their bytes sit at a fixed
 file offset (``dataset.id.get_offset()``) and the store reads them with ``preadv`` like any
 other format. The file stays readable with h5py or any HDF5 tool.
@@ -14,7 +15,7 @@ import h5py
 import numpy as np
 import torch
 
-from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, crc32, fsync_path
+from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, checksum, fsync_path
 
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uint8}
 
@@ -38,7 +39,7 @@ class HDF5Format(ChunkFormat):
                 offset = ds.id.get_offset()
                 if offset is None or offset % ALIGN:
                     raise OSError(f"HDF5 placed block {blk.name} at unaligned offset {offset}")
-                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, offset, blk.nbytes, crc32(blk.payload)))
+                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, offset, blk.nbytes, checksum(blk.payload)))
         if self.fsync:
             fsync_path(path)
         return infos

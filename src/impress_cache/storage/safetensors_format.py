@@ -1,7 +1,8 @@
 """Chunk files in the safetensors format, laid out for partial reads.
 
-Each block is one tensor: ``L{layer}.B{block}`` for K/V blocks (``[2, kv_heads, rows,
-head_dim]``) and ``P{layer}.B{block}`` for probe-key blocks (``uint8 [rows, bytes]``). The
+Each K/V block is one tensor ``L{layer}.B{block}`` (``[2, kv_heads, rows, head_dim]``) and
+each layer's probe-key copy one tensor ``P{layer}`` (``uint8 [rows, record_bytes]``; the
+index addresses it in ``chunk_tokens``-row pieces). The
 JSON header is padded with spaces so that the data starts on a 4 KiB boundary, and small
 ``__pad{i}`` byte tensors fill the gaps so that every block starts 4 KiB aligned: the file
 stays a valid safetensors file (``safetensors.torch.load_file`` reads it) while the store
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .base import BlockData, BlockInfo, ChunkFormat, align_up, crc32
+from .base import BlockData, BlockInfo, ChunkFormat, align_up, checksum
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8"}
 
@@ -54,7 +55,7 @@ class SafetensorsFormat(ChunkFormat):
                 if f.tell() < pos:
                     f.write(b"\0" * (pos - f.tell()))
                 f.write(blk.payload)
-                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, pos, blk.nbytes, crc32(blk.payload)))
+                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, pos, blk.nbytes, checksum(blk.payload)))
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())

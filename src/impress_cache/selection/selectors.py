@@ -1,0 +1,163 @@
+"""Sparse prefix loading for one layer and one batch row (IMPRESS "identify, then load").
+
+Given the new tokens' queries, the compact probe keys of a stored prefix and a way to
+read blocks, pick the prefix rows this layer attends to and return their K/V:
+
+1. score prefix rows with the query heads of the probed KV groups
+   (`attention_column_scores`, summed per KV head: with grouped-query attention a
+   loaded "head" is a KV head);
+2. per probed KV head top-k, mean pairwise Jaccard, threshold ``t = j ** alpha``;
+3. agreement: one shared row set (``"token"``: vote; ``"block"``: whole units ranked by
+   summed scores), read only the units holding it;
+4. disagreement: every KV head chooses its own rows (from the probe copy when it holds
+   every KV head, otherwise after reading every unit of the layer).
+
+No transformers here and no file handling: reads go through the ``read_units`` callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..store.blockset import BlockSet, ReadStats
+from ..store.layout import PrefixLayout
+from .modes import BASELINES
+from .scores import attention_column_scores, mean_pairwise_jaccard, select_units, similarity_threshold, topk_indices, vote
+
+#: reads units (indices into ``layout.units``) of one layer, given the selected positions
+#: (``[k]`` or ``[H, k]``, for the blocks' importance shares; ``None``: all rows used)
+ReadUnits = Callable[[Sequence[int], "torch.Tensor | None"], BlockSet]
+
+
+@dataclass
+class RowSelection:
+    """What one layer of one batch row attends to in the prefix."""
+
+    keys: torch.Tensor  # [H, k, D]
+    values: torch.Tensor  # [H, k, D]
+    similarity: float
+    threshold: float
+    fell_back: bool
+    #: selected prefix positions: ``[k]`` shared by all heads, or ``[Hkv, k]`` per head
+    rows: torch.Tensor
+    #: what reading the blocks cost
+    read: ReadStats
+
+
+def normalised_sum(scores: torch.Tensor) -> torch.Tensor:
+    """``[H, P]`` -> ``[P]``: each head's scores divided by their sum, summed over heads."""
+    s = scores.to(torch.float64)
+    return (s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30)).sum(dim=0)
+
+
+def kv_head_scores(queries: torch.Tensor, prefix_keys: torch.Tensor, new_keys: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, P]`` scores: column sums of every query head, summed within its KV group."""
+    hq = queries.shape[0]
+    hkv, p = prefix_keys.shape[0], prefix_keys.shape[1]
+    scores = attention_column_scores(
+        queries.unsqueeze(0), prefix_keys.float().unsqueeze(0), new_keys.float().unsqueeze(0)
+    )[0]  # [Hq, P]
+    return scores.view(hkv, hq // hkv, p).sum(dim=1)
+
+
+def load_rows(
+    layout: PrefixLayout, rows: torch.Tensor, read_units: ReadUnits, sim: float, thr: float, fell_back: bool
+) -> RowSelection:
+    """Read the units holding ``rows`` and gather their K/V."""
+    units = layout.units_for(rows.reshape(-1))
+    blocks = read_units(units, rows)
+    keys, values = layout.gather(units, blocks, rows)
+    return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats)
+
+
+def read_all(layout: PrefixLayout, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
+    """Every unit of the layer: the units, their blocks and the prefix's keys ``[H, P, D]``."""
+    units = list(range(len(layout.units)))
+    blocks = read_units(units, None)
+    return units, blocks, layout.gather(units, blocks)[0]
+
+
+def select_row(
+    *,
+    queries: torch.Tensor,
+    new_keys: torch.Tensor,
+    probe_keys: torch.Tensor | None,
+    probe_kv_heads: Sequence[int],
+    layout: PrefixLayout,
+    k: int,
+    read_units: ReadUnits,
+    mode: str = "block",
+    alpha: float = 0.6,
+    fixed_threshold: float | None = None,
+    seed: int = 0,
+) -> RowSelection:
+    """Select and load ``k`` prefix rows of one layer for one batch row.
+
+    Parameters
+    ----------
+    queries:
+        ``[Hq, n, D]`` post-RoPE queries of the new tokens (all query heads).
+    new_keys:
+        ``[Hkv, n, D]`` keys of the new tokens.
+    probe_keys:
+        ``[len(probe_kv_heads), P, D]`` decoded probe keys of the prefix.
+    probe_kv_heads:
+        The KV heads the probe copy holds (the groups of the configured probe query
+        heads). Every query head of those groups scores the prefix.
+    layout:
+        Units of the prefix (``layout.length == P``).
+    k:
+        Rows to keep, ``1 <= k <= P``.
+    read_units:
+        Reads unit blocks of this layer (see `ReadUnits`).
+    mode:
+        ``"token"`` or ``"block"`` construction of the shared set, or one of the
+        same-budget `BASELINES` (``"random"``, ``"recent"``, ``"h2o"``), which ignore
+        the probe keys.
+    alpha, fixed_threshold:
+        Threshold ``t = j ** alpha`` unless ``fixed_threshold`` is given.
+    seed:
+        Seed of the ``"random"`` baseline (the cache passes the layer index).
+    """
+    if mode in BASELINES:
+        from .baselines import select_baseline
+
+        return select_baseline(mode, queries, new_keys, layout, k, read_units, seed)
+    hq = queries.shape[0]
+    hkv = new_keys.shape[0]
+    group = hq // hkv
+    p = layout.length
+    # Score with every query head of the probed KV groups: with grouped-query attention
+    # the I/O cost is per KV head, and the extra query heads cost only compute. Each
+    # probed KV head gets one score row (its group's column sums added up).
+    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
+    nk = new_keys[list(probe_kv_heads)]
+    per_q = attention_column_scores(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
+    scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
+    threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
+    similarity = float(mean_pairwise_jaccard(topk_indices(scores.unsqueeze(0), k))[0])
+
+    if similarity >= threshold:
+        if mode == "block":
+            rows = select_units(normalised_sum(scores), layout.unit_of, k)
+        else:
+            rows = vote(scores.unsqueeze(0), k)[0]
+        return load_rows(layout, rows, read_units, similarity, threshold, False)
+
+    # the probe heads disagree: every KV head chooses its own rows
+    if list(probe_kv_heads) == list(range(hkv)):
+        # the probe copy already holds every KV head's keys: their scores are known, read
+        # only the union of the heads' choices
+        if mode == "block":
+            rows = torch.stack([select_units(scores[h], layout.unit_of, k) for h in range(hkv)])
+        else:
+            rows = topk_indices(scores.unsqueeze(0), k)[0]  # [Hkv, k]
+        return load_rows(layout, rows, read_units, similarity, threshold, True)
+    # read the whole layer to get every KV head's keys
+    units, blocks, full_k = read_all(layout, read_units)
+    rows = topk_indices(kv_head_scores(queries, full_k, new_keys).unsqueeze(0), k)[0]  # [Hkv, k]
+    keys, values = layout.gather(units, blocks, rows)
+    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats)

@@ -1,0 +1,90 @@
+"""What binds a store to one model and one probe setting, recorded in the index."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import probe as probe_codec
+from ..config import ImpressConfig
+from ..errors import ConfigError
+from ..index.sqlite import Index
+from ..model_info import ModelSpec, model_spec
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Which KV heads the probe copy holds, and how it is encoded (fixed per store)."""
+
+    query_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    encoding: str
+    head_dim: int
+
+    @property
+    def record_bytes(self) -> int:
+        return probe_codec.record_bytes(len(self.kv_heads), self.head_dim, self.encoding)
+
+
+def choose_probe_heads(num_attention_heads: int, num_key_value_heads: int, probe_heads: int = 3) -> list[int]:
+    """Pick probe query heads spread over different KV groups.
+
+    Query head ``h`` belongs to KV group ``h // (num_attention_heads //
+    num_key_value_heads)``. Probes are the first query head of each of the first
+    ``probe_heads`` groups (9 query / 3 KV heads / 3 probes gives ``[0, 3, 6]``;
+    multi-head attention gives the paper's ``[0, 1, 2]``); with more probes than groups,
+    selection continues round-robin with the next query head inside each group.
+    Returns sorted distinct query-head indices; raises ``ValueError`` on inconsistent
+    arguments.
+    """
+    for name, val in (
+        ("num_attention_heads", num_attention_heads),
+        ("num_key_value_heads", num_key_value_heads),
+        ("probe_heads", probe_heads),
+    ):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    if num_key_value_heads > num_attention_heads or num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={num_key_value_heads}"
+        )
+    if probe_heads > num_attention_heads:
+        raise ValueError(f"probe_heads={probe_heads} exceeds num_attention_heads={num_attention_heads}")
+    group = num_attention_heads // num_key_value_heads
+    full_rounds, rem = divmod(probe_heads, num_key_value_heads)
+    heads = [g * group + r for r in range(full_rounds) for g in range(num_key_value_heads)]
+    heads.extend(g * group + full_rounds for g in range(rem))
+    return sorted(heads)
+
+
+def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path) -> tuple[ModelSpec, ProbeSpec]:
+    """Record the model and probe settings in a new store, or check them against an
+    existing one (`ModelMismatchError` / `ConfigError` naming every differing field)."""
+    spec = model_spec(model, config.kv_dtype)
+    stored = index.get_json("model")
+    if stored is None:
+        index.set_meta("model", json.dumps(spec.to_dict()))
+    else:
+        spec.check_same(stored, str(path))
+    q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(config.probe_heads, spec.num_attention_heads))
+    group = spec.num_attention_heads // spec.num_kv_heads
+    kv = tuple(sorted({h // group for h in q}))
+    want = {"query_heads": list(q), "kv_heads": list(kv), "encoding": config.probe_dtype}
+    stored_probe = index.get_json("probe")
+    if stored_probe is None:
+        index.set_meta("probe", json.dumps(want))
+    elif stored_probe != want:
+        diffs = [
+            f"{k}: store has {stored_probe.get(k)!r}, config gives {want[k]!r}"
+            for k in want
+            if stored_probe.get(k) != want[k]
+        ]
+        raise ConfigError(
+            f"the store at {path} keeps probe keys for other settings ({'; '.join(diffs)}); "
+            "use the probe_heads / probe_dtype it was created with"
+        )
+    return spec, ProbeSpec(tuple(q), kv, config.probe_dtype, spec.head_dim)

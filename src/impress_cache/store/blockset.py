@@ -1,0 +1,68 @@
+"""What the read path hands back: the blocks of one read in a pool tensor, one slot each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..storage.base import KV
+
+
+@dataclass
+class ReadStats:
+    """What one read cost, for the request's own counters (the store keeps totals).
+
+    ``disk_bytes`` counts the bytes asked from the device (alignment gaps of merged
+    reads included); ``kv_disk_bytes`` and ``kv_unattended_bytes`` are the K/V block
+    bytes read from disk for a prefill and the part of them no head attends to (from
+    the importance shares), which define `invalid_io_ratio`.
+    """
+
+    disk_bytes: int = 0
+    disk_blocks: int = 0
+    memory_blocks: int = 0
+    kv_disk_bytes: int = 0
+    kv_unattended_bytes: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, other: ReadStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def invalid_io_ratio(unattended_bytes: float, kv_disk_bytes: int) -> float:
+    """Share of the K/V bytes read from disk for prefills that no head attended to.
+
+    The one definition used per request (`RequestStats`) and per store
+    (``store.stats()``).
+    """
+    return float(unattended_bytes) / kv_disk_bytes if kv_disk_bytes else 0.0
+
+
+@dataclass
+class BlockSet:
+    """Blocks of one kind, read for one request step.
+
+    ``pool`` holds one block per slot: K/V blocks as ``[slots, 2, kv_heads, S, head_dim]``
+    (the first ``rows[slot]`` rows valid), probe pieces as ``uint8 [slots, S, record]``.
+    ``slot_of[i]`` is the slot of the ``i``-th key asked for (duplicates share a slot).
+    """
+
+    kind: int
+    pool: torch.Tensor
+    rows: list[int]
+    slot_of: list[int]
+    stats: ReadStats = field(default_factory=ReadStats)
+
+    @property
+    def slot_rows(self) -> int:
+        """``S``, the rows a slot can hold (the largest block read)."""
+        return self.pool.shape[3] if self.kind == KV else self.pool.shape[1]
+
+    def block(self, i: int) -> torch.Tensor:
+        """The ``i``-th key's block: ``[2, kv_heads, rows, head_dim]`` or ``[rows, record]``."""
+        slot = self.slot_of[i]
+        if self.kind == KV:
+            return self.pool[slot, :, :, : self.rows[slot]]
+        return self.pool[slot, : self.rows[slot]]

@@ -1,0 +1,446 @@
+"""ImpressStore: the persistent prefix KV store on disk, and the facade over its rooms.
+
+The store knows nothing about ``generate``: `ImpressCache` asks it for the longest
+stored prefix of a prompt (`match`), protects what it matched (`lease`), reads blocks
+(`read_blocks`, `load`, `load_probes`) and hands it the K/V of new prompts (`put_async`).
+Each job lives in its own module:
+
+========================  =============================================================
+`catalog`                 radix tree + SQLite index + open-file table, under one lock
+`blocks`                  the read path (memory tiers, then one batch of disk reads)
+`writer`                  the write path (chunk file, fsync, rename, index transaction)
+`leases`                  match grace periods and lease references
+`gc`                      quarantine, orphans, the disk budget
+`persist`                 block statistics saved and reloaded
+`binding`                 the model and probe settings a store is bound to
+`report`                  `stats`
+========================  =============================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ImpressConfig
+from ..errors import ConfigError
+from ..index.radix import Match, RadixTree, Segment
+from ..index.sqlite import Index
+from ..storage import FORMATS
+from ..storage.base import KV, PROBE, BlockKey
+from ..storage.reader import BlockReader
+from ..tiers import TierManager
+from ..tiers.policies import make_policy
+from .binding import bind
+from .blocks import BlockIO
+from .blockset import BlockSet
+from .catalog import CHUNK_DIR, Catalog
+from .gc import StoreGC
+from .layout import PrefixLayout
+from .leases import LeaseTable, PrefixLease
+from .persist import BlockStatsKeeper
+from .report import build_stats
+from .writer import PromptWriter
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.sqlite"
+
+
+@dataclass
+class LoadedPrefix:
+    """K/V rows of one matched prefix: ``keys[layer]`` is ``[kv_heads, tokens, head_dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bytes_read: int
+    blocks_read: int
+
+
+class ImpressStore:
+    """A directory of chunk files plus a SQLite index, bound to one model.
+
+    Parameters
+    ----------
+    path:
+        Store directory; created if missing, reopened if it holds a store.
+    model:
+        The Hugging Face causal LM whose K/V the store keeps. Its architecture, KV
+        shape, dtype and a weight fingerprint are recorded; reopening the store with
+        a different model raises `ModelMismatchError`.
+    config:
+        `ImpressConfig`; defaults apply when omitted.
+    storage_format:
+        ``"safetensors"`` (default) or ``"hdf5"`` for chunk files written from now on.
+        Files of both formats can live in one store.
+    clock:
+        Monotonic clock in seconds for everything time-dependent in the store: the
+        memory tiers' policy (recency, score decay, statistics' ages) and the grace
+        period of matches. ``time.monotonic`` by default; simulations and tests inject
+        their own.
+
+    Notes
+    -----
+    The store is a context manager; `close` waits for pending writes and saves the
+    block statistics of the memory tiers. Blocks (K/V and probe keys) are cached in two
+    memory tiers (`tiers`, a `TierManager`) with the budgets ``config.device_bytes`` and
+    ``config.host_bytes`` and the policy ``config.policy``; ``config.disk_bytes`` bounds
+    the chunk files (`enforce_disk_budget`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        config: ImpressConfig | None = None,
+        storage_format: str = "safetensors",
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config if config is not None else ImpressConfig()
+        if not isinstance(self.config, ImpressConfig):
+            raise TypeError(f"config must be an ImpressConfig, got {type(self.config).__name__}")
+        if storage_format not in FORMATS:
+            raise ValueError(f"storage_format must be one of {sorted(FORMATS)}, got {storage_format!r}")
+        self.path = Path(path)
+        self.model = model
+        self.clock = clock if clock is not None else time.monotonic
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CHUNK_DIR).mkdir(exist_ok=True)
+        index = Index(self.path / INDEX_NAME)
+        self.spec, self.probe = bind(index, model, self.config, self.path)
+        if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
+            index.close()
+            raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
+        cfg = self.config
+        self._closed = False
+        self.device = _model_device(model)
+        self.tiers = self._make_tiers()
+        self._catalog = Catalog(self.path, index, self._forget_files)
+        self._leases = LeaseTable(self._catalog, self.clock)
+        self._reader = BlockReader(threads=cfg.io_threads)
+        self._writer = PromptWriter(
+            self._catalog, cfg, self.spec, self.probe, FORMATS[storage_format](fsync=cfg.fsync), self._written
+        )
+        self._stats = BlockStatsKeeper(index, self.tiers, cfg.stats_interval_s, self._writer.background)
+        self._io = BlockIO(
+            self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
+            pin_host=torch.cuda.is_available(),
+        )
+        self._gc = StoreGC(self._catalog, self._leases, self.tiers, self.spec.num_layers, self.clock)
+        #: background reads that requests start and wait for later (e.g. the rest of a prefix)
+        self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
+        self._gc.remove_orphans()
+        loaded = self._stats.load()
+        log.info(
+            "opened store %s: %d nodes, %d files, statistics of %d blocks",
+            self.path, len(self.tree), len(index.files()), loaded,
+        )
+
+    def _make_tiers(self) -> TierManager:
+        cfg = self.config
+        kwargs: dict[str, Any] = {}
+        if cfg.policy.lower() == "score":
+            kwargs.update(half_life_s=cfg.half_life_s, unimportant_weight=cfg.unimportant_weight)
+        device = self.device
+        pin = torch.cuda.is_available()
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=pin)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            host = t.to("cpu")
+            return host.pin_memory() if pin and not host.is_pinned() else host
+
+        return TierManager(
+            cfg.device_bytes, cfg.host_bytes, make_policy(cfg.policy, **kwargs), class_shares=cfg.tier_shares,
+            clock=self.clock, to_device=to_device, to_host=to_host, disk_to_device=True,
+        )
+
+    # -- the rooms' state, for inspection ----------------------------------------------
+    @property
+    def index(self) -> Index:
+        """The SQLite index."""
+        return self._catalog.index
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree of stored prompts (mirrors the index)."""
+        return self._catalog.tree
+
+    # -- life cycle ------------------------------------------------------------------
+    def __enter__(self) -> ImpressStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish pending writes, save block statistics and release files. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._writer.close()
+            self.fetcher.shutdown(wait=True)
+            self.save_block_stats()
+            self._stats.closed = True
+            self._reader.close()
+            self.index.close()
+            self._closed = True
+
+    def flush(self) -> None:
+        """Block until every prompt handed to `put_async` is on disk and indexed, then
+        save the statistics of the blocks read since the last save."""
+        self._writer.flush()
+        self.save_block_stats()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the store at {self.path} is closed")
+
+    # -- lookups ---------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
+        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens).
+
+        The matched nodes are safe from disk eviction for `MATCH_GRACE_S` seconds of the
+        store's clock; take a `lease` to keep them for longer.
+        """
+        self._check_open()
+        with self._catalog.lock:
+            m = self._catalog.match(tokens, limit)
+            self._leases.note(m)
+            return m
+
+    def lease(self, matches: Iterable[Match]) -> PrefixLease:
+        """Protect matched prefixes from disk eviction while a request uses them.
+
+        Every node of every match gets one reference; nodes with references are never
+        removed by the disk budget. Release the returned `PrefixLease` (or drop it) when
+        the request holds what it needs.
+        """
+        return self._leases.lease(matches)
+
+    def chunk_tokens_of(self, file_id: int) -> int:
+        return self._catalog.chunk_tokens_of(file_id)
+
+    def layout(self, segments: Sequence[Segment]) -> PrefixLayout:
+        """Units (file blocks) holding a matched prefix; see `PrefixLayout`."""
+        return PrefixLayout(segments, self._catalog.chunk_tokens_of)
+
+    # -- reads -----------------------------------------------------------------------
+    def read_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        shares: Sequence[float | None] | None = None,
+        *,
+        decode: bool = False,
+        known: Mapping[BlockKey, torch.Tensor] | None = None,
+    ) -> BlockSet:
+        """Read blocks ``(file_id, kind, layer, block)`` of one kind: memory tiers first,
+        then one batch of disk reads (checksums verified). See `BlockIO.read`."""
+        self._check_open()
+        return self._io.read(keys, shares, decode=decode, known=known)
+
+    def load(
+        self,
+        segments: Sequence[Segment],
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        decode: bool = False,
+    ) -> LoadedPrefix:
+        """Read every K/V row of ``segments`` (a match, possibly cut shorter).
+
+        Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
+        written into ``out`` (a pair of tensors, or views, of that shape) when given.
+        Blocks in ``known`` (already read by this request) are not read again;
+        ``decode`` marks the reads as decode-only (see `read_blocks`). Raises
+        `CorruptBlockError` when a block is missing or damaged; the caller quarantines
+        the file (`quarantine`) and matches again.
+        """
+        spec = self.spec
+        lay = self.layout(segments)
+        shape = (spec.num_layers, spec.num_kv_heads, lay.length, spec.head_dim)
+        if out is None:
+            out = (torch.empty(shape, dtype=spec.torch_kv_dtype), torch.empty(shape, dtype=spec.torch_kv_dtype))
+        keys, values = out
+        if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+            raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
+        units = range(len(lay.units))
+        blocks = self.read_blocks(
+            [key for layer in range(spec.num_layers) for key in lay.keys(units, KV, layer)], decode=decode, known=known
+        )
+        for layer in range(spec.num_layers):
+            k, v = lay.gather(units, blocks, offset=layer * len(units))
+            keys[layer].copy_(k)
+            values[layer].copy_(v)
+        return LoadedPrefix(keys, values, blocks.stats.disk_bytes, blocks.stats.disk_blocks)
+
+    def load_probes(self, layout: PrefixLayout) -> tuple[list[torch.Tensor], int]:
+        """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""
+        units = range(len(layout.units))
+        layers = range(self.spec.num_layers)
+        blocks = self.read_blocks([key for layer in layers for key in layout.keys(units, PROBE, layer)])
+        return [layout.gather_rows(units, blocks, offset=layer * len(units)) for layer in layers], blocks.stats.disk_bytes
+
+    # -- writes ----------------------------------------------------------------------
+    def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
+        """Store a prompt's K/V in the background.
+
+        ``keys[layer]`` and ``values[layer]`` are ``[kv_heads, len(tokens), head_dim]``
+        (any device and dtype; they are converted in the writer thread). Only the
+        tokens not already stored are written.
+        """
+        self._check_open()
+        return self._writer.submit(tokens, keys, values)
+
+    def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store a prompt's K/V and wait until it is on disk and indexed."""
+        self.put_async(tokens, keys, values).result()
+
+    def _written(self, file_id: int, infos: list[Any], leaf: Any) -> None:
+        # a new block has statistics from the start (LRU: written counts as used)
+        for info in infos:
+            if info.kind == KV:
+                self.tiers.seed((file_id, KV, info.layer, info.block), 1.0)
+        if self.config.disk_bytes is not None:
+            try:
+                self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))
+            except Exception:
+                log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
+
+    def _forget_files(self, file_ids: set[int]) -> None:
+        """Drop everything the memory tiers know about blocks of deleted files."""
+        self.tiers.drop_where(lambda key: key[0] in file_ids)
+        self._stats.forget(file_ids)
+
+    # -- maintenance -----------------------------------------------------------------
+    def quarantine(self, file_id: int, reason: str) -> None:
+        """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
+        it; later requests recompute those tokens."""
+        self._gc.quarantine(file_id, reason)
+
+    def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
+        """Remove the least valuable unused prefixes until the store fits ``disk_bytes``.
+
+        Called automatically after each write that adds a chunk file; ``protect`` names
+        node ids that must stay (the prefix just written). Returns ``removed_prefixes``,
+        ``removed_files``, ``freed_bytes``, ``disk_bytes`` (after) and ``budget``. See
+        `StoreGC.enforce`.
+        """
+        self._check_open()
+        return self._gc.enforce(self.config.disk_bytes, protect)
+
+    def save_block_stats(self) -> int:
+        """Write the statistics of the blocks accessed since the last save to the index
+        (runs on `flush`, on `close` and every ``config.stats_interval_s`` seconds).
+        Returns the number of block records written."""
+        with self._catalog.lock:
+            return self._stats.save()
+
+    def warmup(self, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
+        """Pre-populate block statistics and the memory tiers from known prompts.
+
+        Each prompt (token ids: list, tuple, 1-D or ``[1, n]`` tensor; or a string with
+        ``tokenizer``) is matched and every K/V block of its stored prefix is read once
+        through `read_blocks` with the block's current average importance share, so the
+        blocks enter the memory tiers within their budgets and the policy has statistics
+        for them. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
+        ``bytes_read_disk``.
+        """
+        self._check_open()
+        summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
+        for prompt in prompts:
+            m = self.match(_as_tokens(prompt, tokenizer))
+            if m.length == 0:
+                continue
+            with self.lease([m]):
+                lay = self.layout(m.segments)
+                for layer in range(self.spec.num_layers):
+                    keys = sorted(set(lay.keys(range(len(lay.units)), KV, layer)))
+                    read = self.read_blocks(keys, [self.tiers.importance_share(k) for k in keys])
+                    summary["blocks"] += len(keys)
+                    summary["bytes_read_disk"] += read.stats.disk_bytes
+            summary["prompts"] += 1
+            summary["matched_tokens"] += m.length
+        log.info("warm-up: %s", summary)
+        return summary
+
+    # -- introspection ---------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        """Bytes of the blocks (K/V and probe copies) in chunk files the index references."""
+        return self.index.total_bytes()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this store since it was opened (or since `reset_stats`).
+
+        Returns
+        -------
+        dict
+            Writes: ``prompts_written``, ``tokens_written``, ``bytes_written``,
+            ``write_seconds``; reads: ``bytes_read_disk`` (bytes really read from disk,
+            K/V and probe blocks, including alignment gaps of merged reads),
+            ``blocks_read`` (blocks read from disk); ``quarantined_files``, ``nodes``,
+            ``files``, ``disk_bytes``.
+
+            Block lookups, per kind: ``lookups["kv"]`` and ``lookups["probe"]`` each hold
+            ``blocks`` and ``bytes`` looked up and, per source (``"device"``, ``"host"``,
+            ``"disk"``), ``blocks``, ``bytes``, ``hit_ratio`` and ``byte_hit_ratio``
+            (the three sources add up to 1). ``kv_blocks_accessed`` and
+            ``kv_bytes_accessed`` repeat the K/V totals.
+
+            Memory tiers: ``policy``; ``tiers`` (see `TierManager.stats`) plus
+            ``bytes_moved_between_tiers``.
+
+            Importance (prefill reads; decode-only reads excluded):
+            ``important_rows_needed`` (sum over K/V block accesses of share x rows),
+            ``important_rows_device`` / ``_host`` / ``_disk``, ``important_kv_hit_rate``
+            (rows served by a memory tier / rows needed), ``important_kv_device_hit_rate``,
+            ``important_kv_host_hit_rate``, ``invalid_io_ratio`` (see
+            `invalid_io_ratio`), ``kv_bytes_read_disk``, ``decode_bytes_read_disk``,
+            ``probe_bytes_read_disk`` (block sizes, without gaps).
+
+            Disk budget: ``disk_budget`` (``None``: unbounded), ``prefixes_evicted``,
+            ``files_evicted``, ``disk_bytes_evicted``.
+        """
+        return build_stats(
+            self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
+            len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
+        )
+
+    def reset_stats(self) -> None:
+        """Zero the counters of `stats` (tier residency and block statistics stay)."""
+        self._writer.counters = type(self._writer.counters)()
+        self._gc.counters = type(self._gc.counters)()
+        self._io.reset()
+        self.tiers.reset_stats()
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _as_tokens(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("warmup got a string prompt; pass tokenizer=... or token ids")
+        return [int(t) for t in tokenizer(prompt)["input_ids"]]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise ValueError(f"warmup takes one prompt per item: 1-D or [1, n] token tensors, got shape {tuple(prompt.shape)}")
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]

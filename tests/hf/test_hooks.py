@@ -1,0 +1,88 @@
+"""The hooks a cache installs on its model: once per model, inert without an ImpressCache,
+removable."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from conftest import VOCAB, tiny_model
+from helpers import run
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore, remove_hooks
+from impress_cache.hf.hooks import hooks_installed
+
+
+def _ids(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+@torch.no_grad()
+def _plain_generations(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What generate gives without an ImpressCache: ids, inputs_embeds, another cache."""
+    from transformers import DynamicCache
+
+    ids = _ids(1, 20)
+    embeds = model.get_input_embeddings()(ids)
+    return {
+        "ids": model.generate(ids, max_new_tokens=5, do_sample=False),
+        "embeds": model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False),
+        "dynamic": model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False),
+        "assisted": model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=5, do_sample=False),
+    }
+
+
+def test_hooks_change_nothing_without_an_impress_cache_and_can_be_removed(tmp_path):
+    model = tiny_model("llama")
+    before = _plain_generations(model)
+    hooks_before = _hook_count(model)
+    with ImpressStore(tmp_path, model, ImpressConfig(important_ratio=0.5)) as store:
+        ids = _ids(2, 40)
+        run(model, ids, cache=ImpressCache(store, ids))  # installs the hooks
+        assert hooks_installed(model) and _hook_count(model) > hooks_before
+        after = _plain_generations(model)
+        for name in before:
+            assert torch.equal(before[name], after[name]), name
+        assert remove_hooks(model) and not hooks_installed(model)
+        assert _hook_count(model) == hooks_before
+        assert "prepare_inputs_for_generation" not in vars(model)
+        assert remove_hooks(model) is False  # removing twice is harmless
+        # the next cache installs them again and works
+        q = torch.cat([ids, _ids(3, 5)], dim=1)
+        ref, _ = run(model, q)
+        out, _ = run(model, q, cache=ImpressCache(store, q))
+        assert hooks_installed(model) and out.shape == ref.shape
+
+
+def test_threads_building_their_first_caches_install_the_hooks_once(tmp_path):
+    model = tiny_model("llama")
+    hooks_before = _hook_count(model)
+    with ImpressStore(tmp_path, model, ImpressConfig(important_ratio=1.0)) as store:
+        barrier = threading.Barrier(8)
+        errors: list[BaseException] = []
+
+        def build(seed: int) -> None:
+            try:
+                barrier.wait()
+                ImpressCache(store, _ids(seed, 10))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=build, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        installed = _hook_count(model) - hooks_before
+        remove_hooks(model)
+        ImpressCache(store, _ids(99, 10))
+        assert _hook_count(model) - hooks_before == installed  # one set, not eight
+        ids = _ids(4, 30)
+        ref, _ = run(model, ids)
+        out, _ = run(model, ids, cache=ImpressCache(store, ids))
+        assert torch.equal(out, ref)

@@ -1,0 +1,118 @@
+"""The radix tree against a plain model: a set of stored sequences."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from impress_cache.index.radix import RadixTree
+
+# a small alphabet makes shared prefixes and mid-node splits common
+seqs = st.lists(st.integers(0, 3), min_size=1, max_size=12).map(tuple)
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RadixModel(RuleBasedStateMachine):
+    """Model: the set of every token prefix the tree holds (a dict of tuples)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = RadixTree()
+        self.covered: set[tuple[int, ...]] = set()
+        self.next_file = 0
+
+    def _model_match(self, q, limit):
+        n = 0
+        while n < min(limit, len(q)) and tuple(q[: n + 1]) in self.covered:
+            n += 1
+        return n
+
+    @rule(s=seqs)
+    def insert(self, s):
+        expect = self._model_match(s, len(s))
+        matched, _, leaf = self.tree.insert(s, file_id=self.next_file)
+        assert matched == expect
+        assert (leaf is None) == (matched == len(s))
+        if leaf is not None:
+            assert (leaf.file_id, leaf.file_row) == (self.next_file, 0)
+        self.covered.update(tuple(s[:i]) for i in range(1, len(s) + 1))
+        self.next_file += 1
+
+    @rule(q=seqs, limit=st.integers(0, 14))
+    def match(self, q, limit):
+        m = self.tree.match(q, limit=limit)
+        assert m.length == self._model_match(q, limit)
+        assert sum(seg.length for seg in m.segments) == m.length
+        # the segments spell out the query's prefix
+        spelled = [t for seg in m.segments for t in seg.node.tokens[: seg.length]]
+        assert tuple(spelled) == tuple(q[: m.length])
+
+    @precondition(lambda self: self.covered)
+    @rule(data=st.data())
+    def delete_leaf(self, data):
+        leaves = sorted((n for n in self.tree.nodes() if n.is_leaf()), key=lambda n: n.id)
+        node = data.draw(st.sampled_from(leaves))
+        path: list[int] = []
+        n = node
+        while n.parent is not None:
+            path[:0] = n.tokens
+            n = n.parent
+        cut = len(path) - len(node.tokens)
+        self.tree.remove(node)
+        self.covered -= {tuple(path[:i]) for i in range(cut + 1, len(path) + 1)}
+
+    @invariant()
+    def structure(self):
+        for node in self.tree.nodes():
+            assert node.tokens, "empty node"
+            assert node.parent is not None and node.parent.children[node.tokens[0]] is node
+            assert node.file_row >= 0
+
+    @invariant()
+    def everything_covered_matches(self):
+        for s in self.covered:
+            assert self.tree.match(s).length == len(s)
+        assert sum(len(n.tokens) for n in self.tree.nodes()) == len(self.covered)
+
+
+TestRadix = RadixModel.TestCase
+TestRadix.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+
+
+def test_split_keeps_rows():
+    tree = RadixTree()
+    tree.insert((1, 2, 3, 4, 5), file_id=7)
+    matched, upper, leaf = tree.insert((1, 2, 9), file_id=8)
+    assert matched == 2 and upper is not None and leaf is not None
+    lower = upper.children[3]
+    assert (upper.file_id, upper.file_row, upper.tokens) == (7, 0, (1, 2))
+    assert (lower.file_id, lower.file_row, lower.tokens) == (7, 2, (3, 4, 5))
+    assert (leaf.file_id, leaf.file_row, leaf.tokens) == (8, 0, (9,))
+    m = tree.match((1, 2, 3, 4, 0))
+    assert [(s.file_id, s.file_row, s.length) for s in m.segments] == [(7, 0, 2), (7, 2, 2)]
+
+
+def test_locked_leaf_cannot_be_removed():
+    tree = RadixTree()
+    tree.insert((1, 2, 3), file_id=0)
+    m = tree.match((1, 2, 3))
+    leaf = m.segments[-1].node
+    leaf.lock_ref += 1
+    try:
+        tree.remove(leaf)
+    except ValueError as exc:
+        assert "in use" in str(exc)
+    else:
+        raise AssertionError("removed a locked node")
+    leaf.lock_ref -= 1
+    tree.remove(leaf)
+    assert tree.match((1, 2, 3)).length == 0
