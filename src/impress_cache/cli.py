@@ -13,9 +13,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import numpy as np
+import torch
+
+from . import probe as probe_codec
 from .errors import CorruptBlockError
 from .index.sqlite import Index
-from .storage import BlockReader, Extent
+from .storage import KV, PROBE, BlockReader, BlockTable, FileBlocks, file_seed
 from .store.catalog import CHUNK_DIR
 from .store.store import INDEX_NAME
 
@@ -26,19 +30,26 @@ def _open_index(path: Path) -> Index:
     return Index(path / INDEX_NAME)
 
 
+def _row_bytes(index: Index) -> tuple[int, int]:
+    """Bytes of one row of a K/V block and of a probe piece, from the index's records."""
+    model, probe = index.get_json("model"), index.get_json("probe")
+    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
+    kv = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    return kv, probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
+
+
 def info(path: Path) -> dict:
     index = _open_index(path)
     try:
-        tree = index.load_tree()
-        files = index.files()
+        tree, files = index.load_tree()
         return {
             "model": index.get_json("model"),
             "probe": index.get_json("probe"),
             "nodes": len(tree),
             "stored_prompts": sum(n.terminal for n in tree.nodes()),
             "files": len(files),
-            "tokens_in_files": sum(f.n_tokens for f in files),
-            "bytes": sum(f.nbytes for f in files),
+            "tokens_in_files": sum(f.n_tokens for f in files.values()),
+            "bytes": index.total_bytes(),
         }
     finally:
         index.close()
@@ -50,17 +61,25 @@ def verify(path: Path) -> list[dict]:
     reader = BlockReader(threads=4)
     bad = []
     try:
+        row_bytes = _row_bytes(index)
         for rec in tqdm(index.files(), desc="verifying", unit="file"):
+            arrays = index.block_table(rec.id)
+            assert arrays is not None
+            seed = file_seed(bytes.fromhex(rec.name[:32]), rec.context, rec.first_pos, rec.tokens)
+            table = BlockTable.build(*arrays, seed, rec.n_tokens, rec.chunk_tokens, row_bytes)
             fpath = path / CHUNK_DIR / rec.name
-            blocks = list(index.blocks(rec.id).values())
-            buf = memoryview(bytearray(max((b.nbytes for b in blocks), default=0) * len(blocks)))
-            size = max((b.nbytes for b in blocks), default=0)
-            extents = [
-                Extent(rec.id, fpath, b.offset, b.nbytes, b.checksum, buf[i * size : (i + 1) * size])
-                for i, b in enumerate(blocks)
-            ]
+            blocks = np.arange(rec.blocks)
             try:
-                reader.read_into(extents)
+                for kind in (KV, PROBE):
+                    sizes = table.nbytes(kind, blocks)
+                    dest = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                    buf = memoryview(bytearray(int(sizes.sum())))
+                    for layer in range(rec.layers):  # one layer at a time: bounded memory
+                        group = FileBlocks(
+                            rec.id, fpath, None, table.offsets[kind, layer], sizes,
+                            table.checksums[kind, layer], table.seeds[kind, layer], dest,
+                        )
+                        reader.submit([group], buf).wait()
             except CorruptBlockError as exc:
                 bad.append({"file": rec.name, "error": str(exc)})
     finally:

@@ -23,6 +23,11 @@ class CacheUsageError(ImpressError, ValueError):
     """An `ImpressCache` was used in a way it does not support."""
 
 
+class StoreFormatError(ImpressError):
+    """A store's index or files are not in a format or state this version can read
+    (another schema version, a damaged index); the message names the file and what to do."""
+
+
 class CorruptBlockError(ImpressError, IOError):
     """A stored block is missing, truncated or fails its checksum."""
 

@@ -136,9 +136,9 @@ def test_damaged_probe_copy_is_quarantined_and_output_stays_exact(tmp_path):
     (f,) = (tmp_path / CHUNK_DIR).iterdir()
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
         fid = store.match(doc.tolist()).segments[0].file_id
-        info = store.index.blocks(fid)[(PROBE, 1, 3)]
+        offsets, _ = store.index.block_table(fid)
     raw = bytearray(f.read_bytes())
-    raw[info.offset + 1] ^= 0xFF
+    raw[int(offsets[PROBE, 1, 3]) + 1] ^= 0xFF
     f.write_bytes(bytes(raw))
     q = torch.cat([doc, _tok(10, 8)]).unsqueeze(0)
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=0.25)) as store:

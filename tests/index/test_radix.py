@@ -6,6 +6,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import numpy as np
+
 from impress_cache.index.radix import RadixTree
 
 # a small alphabet makes shared prefixes and mid-node splits common
@@ -39,11 +41,18 @@ class RadixModel(RuleBasedStateMachine):
     @rule(s=seqs)
     def insert(self, s):
         expect = self._model_match(s, len(s))
-        matched, _, leaf = self.tree.insert(s, file_id=self.next_file)
-        assert matched == expect
-        assert (leaf is None) == (matched == len(s))
+        before = [(n.id, n.file_id, n.file_row, tuple(n.tokens)) for n in self.tree.nodes()]
+        plan = self.tree.plan_insert(s, file_id=self.next_file)
+        assert plan.matched == expect
+        assert [(n.id, n.file_id, n.file_row, tuple(n.tokens)) for n in self.tree.nodes()] == before  # planning changes nothing
+        old = {n.id: (n, n.file_id, n.file_row, tuple(n.tokens)) for n in self.tree.nodes()}
+        leaf = self.tree.insert(s, file_id=self.next_file)
+        assert (leaf is None) == (expect == len(s))
         if leaf is not None:
             assert (leaf.file_id, leaf.file_row) == (self.next_file, 0)
+        # copy-on-write: no node object that was in the tree changed its rows
+        for node, fid, row, toks in old.values():
+            assert (node.file_id, node.file_row, tuple(node.tokens)) == (fid, row, toks)
         self.covered.update(tuple(s[:i]) for i in range(1, len(s) + 1))
         self.next_file += 1
 
@@ -64,7 +73,7 @@ class RadixModel(RuleBasedStateMachine):
         path: list[int] = []
         n = node
         while n.parent is not None:
-            path[:0] = n.tokens
+            path[:0] = n.tokens.tolist()
             n = n.parent
         cut = len(path) - len(node.tokens)
         self.tree.remove(node)
@@ -73,8 +82,8 @@ class RadixModel(RuleBasedStateMachine):
     @invariant()
     def structure(self):
         for node in self.tree.nodes():
-            assert node.tokens, "empty node"
-            assert node.parent is not None and node.parent.children[node.tokens[0]] is node
+            assert len(node.tokens), "empty node"
+            assert node.parent is not None and node.parent.children[int(node.tokens[0])] is node
             assert node.file_row >= 0
 
     @invariant()
@@ -88,31 +97,29 @@ TestRadix = RadixModel.TestCase
 TestRadix.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
 
 
-def test_split_keeps_rows():
+def test_split_is_copy_on_write_and_keeps_rows():
     tree = RadixTree()
     tree.insert((1, 2, 3, 4, 5), file_id=7)
-    matched, upper, leaf = tree.insert((1, 2, 9), file_id=8)
-    assert matched == 2 and upper is not None and leaf is not None
+    before = tree.match((1, 2, 3, 4, 5))
+    old = before.segments[0].node
+    leaf = tree.insert((1, 2, 9), file_id=8)
+    assert leaf is not None and (leaf.file_id, leaf.file_row, leaf.tokens.tolist()) == (8, 0, [9])
+    upper = leaf.parent
     lower = upper.children[3]
-    assert (upper.file_id, upper.file_row, upper.tokens) == (7, 0, (1, 2))
-    assert (lower.file_id, lower.file_row, lower.tokens) == (7, 2, (3, 4, 5))
-    assert (leaf.file_id, leaf.file_row, leaf.tokens) == (8, 0, (9,))
+    assert (upper.file_id, upper.file_row, upper.tokens.tolist()) == (7, 0, [1, 2])
+    assert (lower.file_id, lower.file_row, lower.tokens.tolist()) == (7, 2, [3, 4, 5])
+    assert old.id not in (upper.id, lower.id) and tree.get(old.id) is None
+    # a request that matched before the split still reads exactly the rows it matched
+    seg = before.segments[0]
+    assert (seg.file_id, seg.file_row, seg.length, seg.node.tokens.tolist()) == (7, 0, 5, [1, 2, 3, 4, 5])
     m = tree.match((1, 2, 3, 4, 0))
     assert [(s.file_id, s.file_row, s.length) for s in m.segments] == [(7, 0, 2), (7, 2, 2)]
 
 
-def test_locked_leaf_cannot_be_removed():
+def test_node_tokens_are_views_of_the_file_tokens():
     tree = RadixTree()
-    tree.insert((1, 2, 3), file_id=0)
-    m = tree.match((1, 2, 3))
-    leaf = m.segments[-1].node
-    leaf.lock_ref += 1
-    try:
-        tree.remove(leaf)
-    except ValueError as exc:
-        assert "in use" in str(exc)
-    else:
-        raise AssertionError("removed a locked node")
-    leaf.lock_ref -= 1
-    tree.remove(leaf)
-    assert tree.match((1, 2, 3)).length == 0
+    file_tokens = np.array([5, 6, 7, 8], dtype=np.int32)
+    tree.insert((1, 2), file_id=2)
+    leaf = tree.insert((1, 2, 5, 6, 7, 8), file_id=3, file_row_of_first_new=0, file_tokens=file_tokens)
+    assert leaf is not None and np.shares_memory(leaf.tokens, file_tokens)
+    assert tree.match([1, 2, 5, 6, 7, 8, 9]).length == 6

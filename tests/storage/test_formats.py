@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from safetensors.torch import load_file
 
-from impress_cache.storage import ALIGN, FORMATS, BlockReader, Extent, iter_blocks
+from impress_cache import CorruptBlockError
+from impress_cache.storage import ALIGN, FORMATS, BlockReader, Extent, FileBlocks, checksum, iter_blocks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,24 +41,43 @@ def test_any_blocks_round_trip(tmp_path_factory, fmt, dtype, layers, heads, dim,
     ks, vs = _kv(layers, heads, n, dim, tdt, seed)
     blocks = list(iter_blocks(ks, vs, chunk))
     path = tmp_path_factory.mktemp("chunks") / f"f.{fmt}"
-    infos = FORMATS[fmt](fsync=False).write(path, blocks, {"k": "v"})
-    assert all(i.offset % ALIGN == 0 for i in infos)
-    want = data.draw(st.lists(st.sampled_from(range(len(infos))), min_size=1, unique=True))
+    meta = {"k": "v", "tokens": "x" * 70000}  # headers can be large (token ids, checksums)
+    offsets = FORMATS[fmt](fsync=False).write(path, blocks, meta)
+    assert all(o % ALIGN == 0 for o in offsets)
+    assert FORMATS[fmt](fsync=False).read_metadata(path) == meta
+    seeds = [seed + i for i in range(len(blocks))]
+    sums = [checksum(b.payload, s) for b, s in zip(blocks, seeds)]
+    want = data.draw(st.lists(st.sampled_from(range(len(blocks))), min_size=1, unique=True))
     reader = BlockReader(threads=2)
-    bufs = [bytearray(infos[i].nbytes + 7) for i in want]  # destinations may be larger than blocks
+    # 1. one destination per block (each may be larger than its block)
+    bufs = [bytearray(blocks[i].nbytes + 7) for i in want]
+    # 2. one pool for all of them, slots in the order drawn (neighbours in the file merge)
+    slot = max(b.nbytes for b in blocks)
+    pool = bytearray(slot * len(want))
+    group = FileBlocks(
+        0, path, None, np.array([offsets[i] for i in want]), np.array([blocks[i].nbytes for i in want]),
+        np.array([sums[i] for i in want], dtype=np.uint32), np.array([seeds[i] for i in want], dtype=np.uint32),
+        np.arange(len(want)) * slot,
+    )
     try:
         nbytes = reader.read_into(
-            [Extent(0, path, infos[i].offset, infos[i].nbytes, infos[i].checksum, memoryview(b)) for i, b in zip(want, bufs)]
+            [Extent(0, path, offsets[i], blocks[i].nbytes, sums[i], memoryview(b), seeds[i]) for i, b in zip(want, bufs)]
         )
+        pooled = reader.submit([group], memoryview(pool)).wait()
+        # a wrong seed (another block's identity) fails verification although the bytes are intact
+        bad = FileBlocks(0, path, None, group.offsets[:1], group.nbytes[:1], group.expected[:1], group.seeds[:1] + 1, group.dest[:1])
+        with pytest.raises(CorruptBlockError, match="checksum"):
+            reader.submit([bad], memoryview(pool)).wait()
     finally:
         reader.close()
-    assert nbytes >= sum(infos[i].nbytes for i in want)
-    for i, buf in zip(want, bufs):
-        info = infos[i]
-        got = torch.frombuffer(buf[: info.nbytes], dtype=tdt).view(2, heads, info.rows, dim)
-        s = info.block * chunk
-        assert torch.equal(got[0].view(torch.uint8), ks[info.layer][:, s : s + info.rows].contiguous().view(torch.uint8))
-        assert torch.equal(got[1].view(torch.uint8), vs[info.layer][:, s : s + info.rows].contiguous().view(torch.uint8))
+    assert nbytes >= sum(blocks[i].nbytes for i in want) and pooled >= sum(blocks[i].nbytes for i in want)
+    for j, (i, buf) in enumerate(zip(want, bufs)):
+        blk = blocks[i]
+        for raw in (buf[: blk.nbytes], pool[j * slot : j * slot + blk.nbytes]):
+            got = torch.frombuffer(bytearray(raw), dtype=tdt).view(2, heads, blk.rows, dim)
+            s = blk.block * chunk
+            assert torch.equal(got[0].view(torch.uint8), ks[blk.layer][:, s : s + blk.rows].contiguous().view(torch.uint8))
+            assert torch.equal(got[1].view(torch.uint8), vs[blk.layer][:, s : s + blk.rows].contiguous().view(torch.uint8))
 
 
 def test_safetensors_chunk_file_loads_with_safetensors(tmp_path):

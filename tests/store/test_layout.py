@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -80,7 +81,7 @@ def test_layout_gather_matches_a_row_by_row_copy(pieces, chunk, per_head, data):
 
     heads, dim = 2, 3
     # piece i: rows file_row .. file_row + length of file i (blocks of `chunk` rows)
-    segments = [Segment(RadixNode(i, tuple(range(n)), i, row), n) for i, (row, n) in enumerate(pieces)]
+    segments = [Segment(RadixNode(i, np.arange(n, dtype=np.int32), i, row, None), n) for i, (row, n) in enumerate(pieces)]
     files = {}
     for i, (row, n) in enumerate(pieces):
         g = torch.Generator().manual_seed(i)

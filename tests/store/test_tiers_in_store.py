@@ -372,12 +372,11 @@ def test_a_cache_holds_its_prefix_only_while_it_needs_the_disk(tmp_path, model, 
     store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
     q = torch.cat([doc, _tok(81, 6)], dim=1)
     with ImpressStore(tmp_path, model, _cfg(important_ratio=ratio, decode=decode, similarity_threshold=0.0)) as store:
-        nodes = [seg.node for seg in store.match(q[0].tolist()).segments]
+        files = {seg.file_id for seg in store.match(q[0].tolist()).segments}
         cache = ImpressCache(store, q, store_prompt=False)
-        held = [n.lock_ref for n in nodes]
-        assert held == ([0] * len(nodes) if ratio == 1.0 else [1] * len(nodes))
+        assert store.leased_files() == ({} if ratio == 1.0 else {f: 1 for f in files})
         run(model, q, cache=cache, new_tokens=3)  # prefill, then decode steps
-        assert [n.lock_ref for n in nodes] == [0] * len(nodes)
+        assert store.leased_files() == {}
         assert cache.get_seq_length() == q.shape[1] + 2
 
 
@@ -420,7 +419,7 @@ def test_reused_file_ids_never_serve_stale_blocks(tmp_path, model, no_grace):
         assert store.index.files() == [] and len(store.tiers) == 0
         store.config.disk_bytes = int(1.5 * size)
         assert_same_as_uncached(model, store, b, new_tokens=3)
-        assert {f.id for f in store.index.files()} & ids_a  # SQLite reused the id
+        assert not {f.id for f in store.index.files()} & ids_a  # ids are never used twice
         cache = _reuse(model, store, torch.cat([b, _tok(91, 3)], dim=1))
         assert cache.stats.matched_tokens == 64
 
@@ -450,7 +449,8 @@ def test_block_statistics_survive_reopen(tmp_path, model, policy):
         for k in keys:
             assert after[k]["count"] == before[k]["count"] >= 3
             assert after[k]["share"] == pytest.approx(before[k]["share"])
-            assert before[k]["freq"] * decay * (1 - 1e-6) <= after[k]["freq"] <= before[k]["freq"] * (1 + 1e-6)
+            # (saved ages mix the wall clock and the store's monotonic clock: 1e-5 of slack)
+            assert before[k]["freq"] * decay * (1 - 1e-5) <= after[k]["freq"] <= before[k]["freq"] * (1 + 1e-6)
             assert after[k]["age_s"] >= before[k]["age_s"]
         assert sorted(keys, key=lambda k: (store.tiers.priority(k), k)) == order
         assert len(store.tiers) == 0  # statistics, not payloads

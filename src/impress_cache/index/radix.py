@@ -1,34 +1,57 @@
 """Radix tree over token ids: which stored prefix matches a prompt, and where its rows live.
 
-Pure Python, no torch. Every node is an edge label (a run of token ids) plus the
-location of those tokens' K/V rows: rows ``file_row .. file_row + len(tokens)`` of chunk
-file ``file_id``. The tree holds every prefix of every inserted sequence, so a prompt
+No torch. Every node is an edge label (a run of token ids) plus the location of those
+tokens' K/V rows: rows ``file_row .. file_row + length`` of chunk file ``file_id``. A
+node's tokens are a numpy view into the token array of its file (each token once in
+memory, four bytes). The tree holds every prefix of every inserted sequence, so a prompt
 that diverges in the middle of a stored one still matches their common part.
 
-Splitting a node never rewrites data: the upper half keeps the first rows of the same
-file and the lower half points further into it.
+Nodes are immutable once in the tree: a split replaces a node by two new nodes (the
+upper one keeps the first rows of the same file, the lower one the rest, with the old
+node's children), so a request that matched the old node keeps reading exactly the rows
+it matched. Updates are planned first (`plan_insert`) and applied only once the index
+has committed them (`apply`), with the ids the index gave the new nodes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
+
+TokenArray = np.ndarray
 
 
-@dataclass(eq=False)
+def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a 1-D ``int32`` array (no copy when they already are one)."""
+    arr = np.asarray(tokens)
+    if arr.dtype != np.int32:
+        arr = arr.astype(np.int32)
+    return arr.reshape(-1)
+
+
 class RadixNode:
     """One edge of the tree and the rows that hold its tokens' K/V."""
 
-    id: int
-    tokens: tuple[int, ...]
-    file_id: int
-    file_row: int
-    parent: RadixNode | None = None
-    children: dict[int, RadixNode] = field(default_factory=dict)
-    #: number of stored sequences that end exactly at this node
-    terminal: int = 0
-    #: requests currently using this node (never deleted while > 0)
-    lock_ref: int = 0
+    __slots__ = ("id", "tokens", "file_id", "file_row", "parent", "children", "terminal")
+
+    def __init__(
+        self, node_id: int, tokens: np.ndarray, file_id: int, file_row: int, parent: RadixNode | None, terminal: int = 0
+    ) -> None:
+        self.id = node_id
+        self.tokens = tokens
+        self.file_id = file_id
+        self.file_row = file_row
+        self.parent = parent
+        #: children by their first token
+        self.children: dict[int, RadixNode] = {}
+        #: number of stored sequences that end exactly at this node
+        self.terminal = terminal
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
     @property
     def depth(self) -> int:
@@ -41,6 +64,9 @@ class RadixNode:
 
     def is_leaf(self) -> bool:
         return not self.children
+
+    def __repr__(self) -> str:
+        return f"RadixNode(id={self.id}, file={self.file_id}, rows={self.file_row}+{len(self.tokens)})"
 
 
 @dataclass(frozen=True)
@@ -61,23 +87,35 @@ class Segment:
 
 @dataclass(frozen=True)
 class Match:
-    """Result of `match`."""
+    """Result of `RadixTree.match`."""
 
     length: int
     segments: tuple[Segment, ...]
 
 
-class RadixTree:
-    """A token-prefix tree whose nodes point at rows of chunk files.
+@dataclass
+class InsertPlan:
+    """What inserting a sequence changes, before the index has committed it.
 
-    The root has no tokens. Node ids are allocated by the tree (``next_id``) unless the
-    caller passes them, so an index can rebuild the same tree on reopen.
+    ``split``: the node cut in two (``(node, k)``: a new upper node with its first ``k``
+    tokens and a new lower node with the rest replace it); ``leaf``: the new leaf's
+    ``(tokens, file_id, file_row)`` below the match (or ``None``); ``terminal``: the node
+    whose count of stored sequences grows when nothing new is added.
     """
 
+    matched: int
+    parent: RadixNode
+    split: tuple[RadixNode, int] | None
+    leaf: tuple[np.ndarray, int, int] | None
+    terminal: RadixNode | None
+
+
+class RadixTree:
+    """A token-prefix tree whose nodes point at rows of chunk files."""
+
     def __init__(self) -> None:
-        self.root = RadixNode(id=0, tokens=(), file_id=-1, file_row=0)
+        self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
         self._nodes: dict[int, RadixNode] = {0: self.root}
-        self.next_id = 1
 
     # -- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -85,6 +123,9 @@ class RadixTree:
 
     def node(self, node_id: int) -> RadixNode:
         return self._nodes[node_id]
+
+    def get(self, node_id: int) -> RadixNode | None:
+        return self._nodes.get(node_id)
 
     def nodes(self) -> Iterator[RadixNode]:
         """All nodes except the root, parents before children."""
@@ -94,16 +135,17 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
+    def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:
         """Longest stored prefix of ``tokens`` (at most ``limit`` tokens)."""
-        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        arr = as_tokens(tokens)
+        limit = len(arr) if limit is None else max(0, min(limit, len(arr)))
         segments: list[Segment] = []
         node, pos = self.root, 0
         while pos < limit:
-            child = node.children.get(tokens[pos])
+            child = node.children.get(int(arr[pos]))
             if child is None:
                 break
-            n = _common_length(child.tokens, tokens, pos, limit)
+            n = _common_length(child.tokens, arr[pos:limit])
             segments.append(Segment(child, n))
             pos += n
             if n < len(child.tokens):
@@ -111,97 +153,98 @@ class RadixTree:
             node = child
         return Match(pos, tuple(segments))
 
-    # -- updates ---------------------------------------------------------------------
-    def split(self, node: RadixNode, k: int, new_id: int | None = None) -> RadixNode:
-        """Cut ``node`` after ``k`` tokens; return the new upper node.
-
-        The upper node takes ``node``'s place under its parent and keeps the first
-        ``k`` rows; ``node`` keeps its id, children and the remaining rows.
-        """
-        if not 0 < k < len(node.tokens):
-            raise ValueError(f"cannot split a node of {len(node.tokens)} tokens at {k}")
-        upper = RadixNode(
-            id=self._take_id(new_id),
-            tokens=node.tokens[:k],
-            file_id=node.file_id,
-            file_row=node.file_row,
-            parent=node.parent,
-        )
-        assert node.parent is not None
-        node.parent.children[upper.tokens[0]] = upper
-        node.tokens = node.tokens[k:]
-        node.file_row += k
-        node.parent = upper
-        upper.children[node.tokens[0]] = node
-        self._nodes[upper.id] = upper
-        return upper
-
-    def add_child(
-        self,
-        parent: RadixNode,
-        tokens: Sequence[int],
-        file_id: int,
-        file_row: int = 0,
-        node_id: int | None = None,
-        terminal: int = 0,
-    ) -> RadixNode:
-        """Attach a new node below ``parent`` (its first token must be free there)."""
-        tokens = tuple(int(t) for t in tokens)
-        if not tokens:
-            raise ValueError("a node needs at least one token")
-        if tokens[0] in parent.children:
-            raise ValueError(f"parent {parent.id} already has a child starting with {tokens[0]}")
-        node = RadixNode(
-            id=self._take_id(node_id),
-            tokens=tokens,
-            file_id=file_id,
-            file_row=file_row,
-            parent=parent,
-            terminal=terminal,
-        )
-        parent.children[tokens[0]] = node
-        self._nodes[node.id] = node
-        return node
-
-    def insert(
-        self, tokens: Sequence[int], file_id: int, file_row_of_first_new: int = 0
-    ) -> tuple[int, RadixNode | None, RadixNode | None]:
-        """Store ``tokens``; the rows of the tokens not yet stored live in ``file_id``.
-
-        Returns ``(matched, upper, leaf)``: how many tokens were already stored, the
-        upper node created by a split (or None) and the new leaf (or None when
-        everything was stored already). Row ``file_row_of_first_new`` of the file holds
-        token ``matched``.
-        """
-        tokens = tuple(int(t) for t in tokens)
-        m = self.match(tokens)
-        upper = None
-        parent = self.root
+    # -- updates -------------------------------------------------------------------------
+    def plan_insert(
+        self, tokens: Sequence[int] | np.ndarray, file_id: int, file_row_of_first_new: int = 0,
+        file_tokens: np.ndarray | None = None,
+    ) -> InsertPlan:
+        """What storing ``tokens`` changes; the rows of the tokens not yet stored live in
+        ``file_id`` from row ``file_row_of_first_new`` on. ``file_tokens`` (the file's
+        token array) backs the new leaf's tokens; by default a copy of the new tokens."""
+        arr = as_tokens(tokens)
+        m = self.match(arr)
+        parent, split, terminal = self.root, None, None
         if m.segments:
             last = m.segments[-1]
             parent = last.node
             if last.length < len(last.node.tokens):
-                upper = self.split(last.node, last.length)
-                parent = upper
-        if m.length == len(tokens):
-            if tokens:
+                split = (last.node, last.length)
+        leaf = None
+        if m.length < len(arr):
+            if file_tokens is None:
+                leaf_tokens = arr[m.length :].copy()
+            else:
+                leaf_tokens = file_tokens[file_row_of_first_new : file_row_of_first_new + len(arr) - m.length]
+            leaf = (leaf_tokens, file_id, file_row_of_first_new)
+        elif split is None and m.segments:
+            terminal = parent
+        return InsertPlan(m.length, parent, split, leaf, terminal)
+
+    def insert(
+        self, tokens: Sequence[int] | np.ndarray, file_id: int, file_row_of_first_new: int = 0,
+        file_tokens: np.ndarray | None = None,
+    ) -> RadixNode | None:
+        """Plan and apply an insert at once, with ids the tree chooses (for a tree that no
+        index mirrors); returns the new leaf or ``None``."""
+        plan = self.plan_insert(tokens, file_id, file_row_of_first_new, file_tokens)
+        parent = plan.parent
+        if plan.split is not None:
+            parent, _ = self.split(plan.split[0], plan.split[1], self._next_id(), self._next_id() + 1)
+            if plan.leaf is None:
                 parent.terminal += 1
-            return m.length, upper, None
-        leaf = self.add_child(parent, tokens[m.length :], file_id, file_row_of_first_new, terminal=1)
-        return m.length, upper, leaf
+        if plan.leaf is not None:
+            leaf_tokens, fid, row = plan.leaf
+            return self.add_child(parent, leaf_tokens, fid, row, self._next_id(), terminal=1)
+        if plan.terminal is not None:
+            plan.terminal.terminal += 1
+        return None
+
+    def _next_id(self) -> int:
+        return max(self._nodes) + 1
+
+    def split(self, node: RadixNode, k: int, upper_id: int, lower_id: int) -> tuple[RadixNode, RadixNode]:
+        """Replace ``node`` by an upper node (its first ``k`` tokens) and a lower node (the
+        rest, with its children and terminal count). ``node`` itself is left as it was,
+        detached, for requests that matched it."""
+        if not 0 < k < len(node.tokens):
+            raise ValueError(f"cannot split a node of {len(node.tokens)} tokens at {k}")
+        parent = node.parent
+        assert parent is not None and parent.children.get(int(node.tokens[0])) is node
+        upper = RadixNode(self._free(upper_id), node.tokens[:k], node.file_id, node.file_row, parent)
+        lower = RadixNode(self._free(lower_id), node.tokens[k:], node.file_id, node.file_row + k, upper, node.terminal)
+        lower.children = dict(node.children)
+        for child in lower.children.values():
+            child.parent = lower
+        upper.children[int(lower.tokens[0])] = lower
+        parent.children[int(upper.tokens[0])] = upper
+        self._nodes[upper.id] = upper
+        self._nodes[lower.id] = lower
+        del self._nodes[node.id]
+        return upper, lower
+
+    def add_child(
+        self, parent: RadixNode, tokens: np.ndarray, file_id: int, file_row: int, node_id: int, terminal: int = 0
+    ) -> RadixNode:
+        """Attach a new node below ``parent`` (its first token must be free there)."""
+        tokens = as_tokens(tokens)
+        if len(tokens) == 0:
+            raise ValueError("a node needs at least one token")
+        if int(tokens[0]) in parent.children:
+            raise ValueError(f"parent {parent.id} already has a child starting with {int(tokens[0])}")
+        node = RadixNode(self._free(node_id), tokens, file_id, file_row, parent, terminal)
+        parent.children[int(tokens[0])] = node
+        self._nodes[node.id] = node
+        return node
 
     def remove(self, node: RadixNode) -> None:
-        """Delete a leaf node. Raises if it has children or is in use."""
+        """Delete a leaf node. Raises if it has children."""
         if node is self.root:
             raise ValueError("the root cannot be removed")
         if node.children:
             raise ValueError(f"node {node.id} has children; remove them first")
-        if node.lock_ref > 0:
-            raise ValueError(f"node {node.id} is in use by {node.lock_ref} request(s)")
         assert node.parent is not None
-        del node.parent.children[node.tokens[0]]
+        del node.parent.children[int(node.tokens[0])]
         del self._nodes[node.id]
-        node.parent = None
 
     def subtree(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and all its descendants, children before parents."""
@@ -213,18 +256,15 @@ class RadixTree:
             stack.extend(n.children.values())
         return out[::-1]
 
-    def _take_id(self, node_id: int | None) -> int:
-        if node_id is None:
-            node_id = self.next_id
+    def _free(self, node_id: int) -> int:
         if node_id in self._nodes:
             raise ValueError(f"node id {node_id} is already used")
-        self.next_id = max(self.next_id, node_id + 1)
         return node_id
 
 
-def _common_length(edge: tuple[int, ...], tokens: Sequence[int], pos: int, limit: int) -> int:
-    n = min(len(edge), limit - pos)
-    i = 0
-    while i < n and edge[i] == tokens[pos + i]:
-        i += 1
-    return i
+def _common_length(edge: np.ndarray, tokens: np.ndarray) -> int:
+    n = min(len(edge), len(tokens))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(edge[:n] != tokens[:n])
+    return int(diff[0]) if len(diff) else n

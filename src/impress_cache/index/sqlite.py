@@ -1,8 +1,14 @@
-"""The SQLite index of a store: model record, chunk files, blocks and radix nodes.
+"""The SQLite index of a store: model record, chunk files, radix nodes and statistics.
 
 Only this module speaks SQL. The index is the source of truth: a chunk file that the
 index does not reference is garbage (left by a crash between rename and commit) and is
-removed when the store is opened.
+removed when the store is opened. File and node ids come from ``AUTOINCREMENT`` keys,
+so an id is never used twice in the life of a store, not even after its row is deleted.
+
+Schema 3: a file row carries everything the read path and the tree need about the file
+in four blobs (its rows' token ids, the digest of the tokens before them, every block's
+offset and checksum), so opening a file costs one row, not one row per block; a node row
+is a run of a file's rows (its tokens are that file's tokens, not a copy).
 """
 
 from __future__ import annotations
@@ -11,49 +17,48 @@ import json
 import sqlite3
 import threading
 import time
-from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..storage.base import BlockInfo, BlockKey
-from .radix import RadixNode, RadixTree
+import numpy as np
 
-SCHEMA_VERSION = "2"
+from ..errors import StoreFormatError
+from ..storage.base import BlockKey
+from .radix import RadixTree
+
+SCHEMA_VERSION = "3"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS files (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL UNIQUE,
     format TEXT NOT NULL,
+    first_pos INTEGER NOT NULL,
     n_tokens INTEGER NOT NULL,
     chunk_tokens INTEGER NOT NULL,
+    layers INTEGER NOT NULL,
     nbytes INTEGER NOT NULL,
+    file_bytes INTEGER NOT NULL,
+    tokens BLOB NOT NULL,
+    context BLOB NOT NULL,
+    offsets BLOB NOT NULL,
+    checksums BLOB NOT NULL,
     created REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS blocks (
-    file_id INTEGER NOT NULL,
-    kind INTEGER NOT NULL,
-    layer INTEGER NOT NULL,
-    block INTEGER NOT NULL,
-    rows INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    nbytes INTEGER NOT NULL,
-    crc32 INTEGER NOT NULL,
-    PRIMARY KEY (file_id, kind, layer, block)
-) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS nodes (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     parent INTEGER NOT NULL,
-    tokens BLOB NOT NULL,
     file_id INTEGER NOT NULL,
     file_row INTEGER NOT NULL,
+    length INTEGER NOT NULL,
     terminal INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS nodes_by_file ON nodes (file_id);
+CREATE INDEX IF NOT EXISTS nodes_by_parent ON nodes (parent);
 CREATE TABLE IF NOT EXISTS block_stats (
     file_id INTEGER NOT NULL,
     kind INTEGER NOT NULL,
@@ -67,26 +72,66 @@ CREATE TABLE IF NOT EXISTS block_stats (
     saved_at REAL NOT NULL,
     PRIMARY KEY (file_id, kind, layer, block)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS node_stats (
+    node_id INTEGER PRIMARY KEY,
+    count INTEGER NOT NULL,
+    freq REAL NOT NULL,
+    share REAL NOT NULL,
+    age_s REAL NOT NULL,
+    seq INTEGER NOT NULL,
+    saved_at REAL NOT NULL
+);
 """
+
+_FILE_COLUMNS = "id, name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, tokens, context"
+
 
 @dataclass(frozen=True)
 class FileRecord:
+    """One chunk file as the index records it (without its block table)."""
+
     id: int
     name: str
     format: str
+    #: position, in its prompt, of the file's first row
+    first_pos: int
     n_tokens: int
     chunk_tokens: int
+    layers: int
+    #: bytes of the blocks (K/V and probe pieces)
     nbytes: int
+    #: size of the file on disk (header and padding included)
+    file_bytes: int
+    #: token ids of the file's rows (``int32 [n_tokens]``)
+    tokens: np.ndarray
+    #: SHA-256 of the token ids before the first row
+    context: bytes
+
+    @property
+    def blocks(self) -> int:
+        """Blocks per layer."""
+        return -(-self.n_tokens // self.chunk_tokens)
 
 
-def pack_tokens(tokens: Iterable[int]) -> bytes:
-    return array("i", tokens).tobytes()
+@dataclass(frozen=True)
+class NewFile:
+    """What a writer hands to `Index.add_file`."""
+
+    name: str
+    format: str
+    first_pos: int
+    tokens: np.ndarray
+    context: bytes
+    chunk_tokens: int
+    layers: int
+    offsets: np.ndarray  # int64 [2, layers, blocks]
+    checksums: np.ndarray  # uint32 [2, layers, blocks]
+    nbytes: int
+    file_bytes: int
 
 
-def unpack_tokens(blob: bytes) -> tuple[int, ...]:
-    a = array("i")
-    a.frombytes(blob)
-    return tuple(a)
+def _record(row: tuple) -> FileRecord:
+    return FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]))
 
 
 class Index:
@@ -96,12 +141,28 @@ class Index:
         self.path = path
         self._conn = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
         self._lock = threading.RLock()
-        with self._lock:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.executescript(_SCHEMA)
-            if self.get_meta("schema_version") is None:
-                self.set_meta("schema_version", SCHEMA_VERSION)
+        try:
+            with self._lock:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                self._conn.execute("PRAGMA synchronous=FULL")
+                with self.transaction() as conn:
+                    version = conn.execute(
+                        "SELECT value FROM meta WHERE key='schema_version'"
+                    ).fetchone() if _has_meta(conn) else None
+                    if version is not None and version[0] != SCHEMA_VERSION:
+                        raise StoreFormatError(
+                            f"the index {path} has schema version {version[0]}; this version of impress_cache "
+                            f"reads schema {SCHEMA_VERSION}. Stores of older versions cannot be upgraded in place: "
+                            "open a new store directory (or delete this one) and let it fill again."
+                        )
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                    if version is None:
+                        conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+        except BaseException:
+            self._conn.close()
+            raise
         self._seen_version = self.data_version()
 
     def close(self) -> None:
@@ -139,68 +200,125 @@ class Index:
             row = self._conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def set_meta(self, key: str, value: str) -> None:
-        with self._lock:
-            self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
-
     def get_json(self, key: str) -> Any:
         raw = self.get_meta(key)
         return None if raw is None else json.loads(raw)
 
-    # -- files and blocks --------------------------------------------------------------
-    def add_file(
-        self, conn: sqlite3.Connection, name: str, fmt: str, n_tokens: int, chunk_tokens: int,
-        blocks: list[BlockInfo],
-    ) -> int:
-        nbytes = sum(b.nbytes for b in blocks)
+    def get_or_set_json(self, key: str, value: Any) -> Any:
+        """The stored value of ``key``, after storing ``value`` if there was none; one
+        transaction, so of two processes creating a store only one sets it."""
+        with self.transaction() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+            if row is not None:
+                return json.loads(row[0])
+            conn.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
+            return value
+
+    # -- files -------------------------------------------------------------------------
+    def add_file(self, conn: sqlite3.Connection, f: NewFile) -> int:
         cur = conn.execute(
-            "INSERT INTO files(name, format, n_tokens, chunk_tokens, nbytes, created) VALUES (?,?,?,?,?,?)",
-            (name, fmt, n_tokens, chunk_tokens, nbytes, time.time()),
+            "INSERT INTO files(name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, "
+            "tokens, context, offsets, checksums, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                f.name, f.format, f.first_pos, len(f.tokens), f.chunk_tokens, f.layers, f.nbytes, f.file_bytes,
+                np.ascontiguousarray(f.tokens, dtype="<i4").tobytes(), f.context,
+                np.ascontiguousarray(f.offsets, dtype="<i8").tobytes(),
+                np.ascontiguousarray(f.checksums, dtype="<u4").tobytes(), time.time(),
+            ),
         )
-        file_id = int(cur.lastrowid)
-        conn.executemany(
-            "INSERT INTO blocks(file_id, kind, layer, block, rows, offset, nbytes, crc32) VALUES (?,?,?,?,?,?,?,?)",
-            [(file_id, b.kind, b.layer, b.block, b.rows, b.offset, b.nbytes, b.checksum) for b in blocks],
-        )
-        return file_id
+        return int(cur.lastrowid)
 
     def file(self, file_id: int) -> FileRecord | None:
         with self._lock:
-            row = self._conn.execute(
-                "SELECT id, name, format, n_tokens, chunk_tokens, nbytes FROM files WHERE id=?", (file_id,)
-            ).fetchone()
-        return None if row is None else FileRecord(*row)
+            row = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id=?", (file_id,)).fetchone()
+        return None if row is None else _record(row)
 
     def files(self) -> list[FileRecord]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT id, name, format, n_tokens, chunk_tokens, nbytes FROM files"
-            ).fetchall()
-        return [FileRecord(*r) for r in rows]
+            rows = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files").fetchall()
+        return [_record(r) for r in rows]
 
-    def blocks(self, file_id: int) -> dict[tuple[int, int, int], BlockInfo]:
-        """``(kind, layer, block) -> BlockInfo`` of one file."""
+    def file_names(self) -> dict[int, str]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT kind, layer, block, rows, offset, nbytes, crc32 FROM blocks WHERE file_id=?", (file_id,)
-            ).fetchall()
-        return {(r[0], r[1], r[2]): BlockInfo(*r) for r in rows}
+            return dict(self._conn.execute("SELECT id, name FROM files").fetchall())
+
+    def block_table(self, file_id: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(offsets, checksums)`` of a file: ``int64`` and ``uint32`` ``[2, layers, blocks]``."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT layers, n_tokens, chunk_tokens, offsets, checksums FROM files WHERE id=?", (file_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        layers, n, ct, offsets, checksums = row
+        shape = (2, layers, -(-n // ct))
+        return np.frombuffer(offsets, dtype="<i8").reshape(shape), np.frombuffer(checksums, dtype="<u4").reshape(shape)
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
-        """Forget a file, its blocks and their statistics (inside a transaction)."""
+        """Forget a file and its blocks' statistics (inside a transaction)."""
         conn.execute("DELETE FROM block_stats WHERE file_id=?", (file_id,))
-        conn.execute("DELETE FROM blocks WHERE file_id=?", (file_id,))
         conn.execute("DELETE FROM files WHERE id=?", (file_id,))
 
     def unreferenced_files(self, conn: sqlite3.Connection) -> list[int]:
-        rows = conn.execute(
-            "SELECT id FROM files WHERE id NOT IN (SELECT DISTINCT file_id FROM nodes)"
-        ).fetchall()
+        rows = conn.execute("SELECT id FROM files WHERE id NOT IN (SELECT DISTINCT file_id FROM nodes)").fetchall()
         return [r[0] for r in rows]
 
     def total_bytes(self) -> int:
+        """Bytes of the chunk files the index references, as they are on disk."""
         with self._lock:
-            return int(self._conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM files").fetchone()[0])
+            return int(self._conn.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM files").fetchone()[0])
+
+    # -- nodes -----------------------------------------------------------------------
+    def add_node(self, conn: sqlite3.Connection, parent: int, file_id: int, file_row: int, length: int, terminal: int) -> int:
+        cur = conn.execute(
+            "INSERT INTO nodes(parent, file_id, file_row, length, terminal) VALUES (?,?,?,?,?)",
+            (parent, file_id, file_row, length, terminal),
+        )
+        return int(cur.lastrowid)
+
+    def reparent(self, conn: sqlite3.Connection, old_parent: int, new_parent: int) -> None:
+        conn.execute("UPDATE nodes SET parent=? WHERE parent=?", (new_parent, old_parent))
+
+    def add_terminal(self, conn: sqlite3.Connection, node_id: int) -> None:
+        conn.execute("UPDATE nodes SET terminal=terminal+1 WHERE id=?", (node_id,))
+
+    def delete_node(self, conn: sqlite3.Connection, node_id: int) -> None:
+        conn.execute("DELETE FROM node_stats WHERE node_id=?", (node_id,))
+        conn.execute("DELETE FROM nodes WHERE id=?", (node_id,))
+
+    def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
+        """Rebuild the radix tree from the node table; node tokens are views of their
+        files' token arrays. Returns the tree and the file records by id."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, parent, file_id, file_row, length, terminal FROM nodes ORDER BY id"
+            ).fetchall()
+        files = {f.id: f for f in self.files()}
+        tree = RadixTree()
+        pending: dict[int, list[tuple]] = {}
+        for row in rows:
+            pending.setdefault(row[1], []).append(row)
+        stack = [0]
+        while stack:
+            parent = tree.node(stack.pop())
+            for node_id, _, file_id, file_row, length, terminal in pending.pop(parent.id, []):
+                f = files.get(file_id)
+                if f is None or file_row < 0 or length < 1 or file_row + length > f.n_tokens:
+                    raise StoreFormatError(
+                        f"the index {self.path} is damaged: node {node_id} points at rows "
+                        f"{file_row}..{file_row + length} of file {file_id}, which "
+                        + ("is not indexed" if f is None else f"has {f.n_tokens} rows")
+                        + ". Rebuild the index with `impress-cache verify --repair`."
+                    )
+                tree.add_child(parent, f.tokens[file_row : file_row + length], file_id, file_row, node_id, terminal)
+                stack.append(node_id)
+        if pending:
+            orphans = sum(len(v) for v in pending.values())
+            raise StoreFormatError(
+                f"the index {self.path} is damaged: {orphans} node(s) have no parent. "
+                "Rebuild the index with `impress-cache verify --repair`."
+            )
+        return tree, files
 
     # -- block statistics (cold start of the memory tiers) ------------------------------
     def save_block_stats(self, records: dict[BlockKey, dict[str, Any]], saved_at: float) -> int:
@@ -230,11 +348,8 @@ class Index:
             return conn.total_changes - before
 
     def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
-        """Every saved block statistic whose file is still in the index.
-
-        Each record has ``count``, ``freq``, ``share``, ``age_s``, ``seq`` and
-        ``saved_at`` (wall-clock seconds of the save).
-        """
+        """Every saved block statistic whose file is still in the index (``count``,
+        ``freq``, ``share``, ``age_s``, ``seq`` and ``saved_at``, wall-clock seconds)."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT s.file_id, s.kind, s.layer, s.block, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at "
@@ -248,35 +363,39 @@ class Index:
             for r in rows
         ]
 
-    # -- nodes -----------------------------------------------------------------------
-    def put_node(self, conn: sqlite3.Connection, node: RadixNode) -> None:
-        assert node.parent is not None
-        conn.execute(
-            "INSERT OR REPLACE INTO nodes(id, parent, tokens, file_id, file_row, terminal) VALUES (?,?,?,?,?,?)",
-            (node.id, node.parent.id, pack_tokens(node.tokens), node.file_id, node.file_row, node.terminal),
-        )
 
-    def delete_node(self, conn: sqlite3.Connection, node_id: int) -> None:
-        conn.execute("DELETE FROM nodes WHERE id=?", (node_id,))
+    # -- node statistics (the disk budget's value of a stored prefix) ---------------------
+    def save_node_stats(self, records: dict[int, dict[str, Any]], saved_at: float) -> int:
+        """Upsert per-node statistics (records as for blocks); unknown nodes are skipped."""
+        rows = [
+            (
+                int(k), int(r.get("count", 0)), float(r.get("freq", 0.0)), float(r.get("share", 1.0)),
+                float(r.get("age_s", 0.0)), int(r.get("seq", 0)), float(saved_at), int(k),
+            )
+            for k, r in records.items()
+        ]
+        if not rows:
+            return 0
+        with self.transaction() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR REPLACE INTO node_stats(node_id, count, freq, share, age_s, seq, saved_at) "
+                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
+                rows,
+            )
+            return conn.total_changes - before
 
-    def load_tree(self) -> RadixTree:
-        """Rebuild the radix tree from the node table."""
+    def load_node_stats(self) -> list[tuple[int, dict[str, Any]]]:
         with self._lock:
             rows = self._conn.execute(
-                "SELECT id, parent, tokens, file_id, file_row, terminal FROM nodes ORDER BY id"
+                "SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats "
+                "WHERE node_id IN (SELECT id FROM nodes)"
             ).fetchall()
-        tree = RadixTree()
-        pending: dict[int, list[tuple]] = {}
-        for row in rows:
-            pending.setdefault(row[1], []).append(row)
-        stack = [0]
-        while stack:
-            parent = tree.node(stack.pop())
-            for node_id, _, blob, file_id, file_row, terminal in pending.pop(parent.id, []):
-                tree.add_child(parent, unpack_tokens(blob), file_id, file_row, node_id=node_id, terminal=terminal)
-                stack.append(node_id)
-        if pending:
-            # rows whose parent is gone can only come from an interrupted manual edit
-            orphans = sum(len(v) for v in pending.values())
-            raise RuntimeError(f"index {self.path} has {orphans} node(s) whose parent is missing")
-        return tree
+        return [
+            (r[0], {"count": r[1], "freq": r[2], "share": r[3], "age_s": r[4], "seq": r[5], "saved_at": r[6]})
+            for r in rows
+        ]
+
+
+def _has_meta(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is not None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .base import ALIGN, KV, PROBE, BlockData, BlockInfo, BlockKey, ChunkFormat, checksum, iter_blocks
+from .base import ALIGN, KV, PROBE, BlockData, BlockKey, BlockTable, ChunkFormat, block_seeds, checksum, file_seed, iter_blocks
 from .hdf5_format import HDF5Format
-from .reader import BlockReader, Extent, ReadBatch
+from .reader import BlockReader, Extent, FileBlocks, ReadBatch
 from .safetensors_format import SafetensorsFormat
 
 #: format name -> class; a new format is one module plus one line here
@@ -18,15 +18,18 @@ __all__ = [
     "KV",
     "PROBE",
     "BlockData",
-    "BlockInfo",
+    "BlockTable",
     "BlockKey",
     "BlockReader",
     "ChunkFormat",
     "FORMATS",
     "HDF5Format",
     "Extent",
+    "FileBlocks",
     "ReadBatch",
     "SafetensorsFormat",
+    "block_seeds",
     "checksum",
+    "file_seed",
     "iter_blocks",
 ]

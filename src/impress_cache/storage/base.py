@@ -6,17 +6,26 @@ into blocks of ``chunk_tokens`` tokens. One block of one layer is one contiguous
 so any set of blocks can be read with plain ``preadv`` calls, without the format's own
 reader. Formats differ only in how they wrap those ranges; each one is one module in
 this package plus one line in `FORMATS`.
+
+Every block has a CRC-32C checksum started from a *seed* that binds the block's identity:
+the file (its UUID, the tokens its rows hold, their first position and a digest of the
+tokens before them) and the block's kind, layer and index (`file_seed`, `block_seeds`).
+A block read for other tokens, from another file or from another place in its file
+fails verification, even when its bytes are intact.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import zlib
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
+import numpy as np
 import torch
 
 ALIGN = 4096
@@ -26,23 +35,6 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-@dataclass(frozen=True)
-class BlockInfo:
-    """Where one block lives inside a chunk file.
-
-    ``kind`` is ``KV`` for a ``[2, kv_heads, rows, head_dim]`` K/V block and ``PROBE`` for
-    a piece of the compact probe-key copy (``chunk_tokens`` rows of one layer's copy).
-    """
-
-    kind: int
-    layer: int
-    block: int
-    rows: int
-    offset: int
-    nbytes: int
-    checksum: int
-
-
 #: kind of a K/V block: ``[2, kv_heads, rows, head_dim]`` in the stored dtype
 KV = 0
 #: kind of a probe-key piece: ``uint8 [rows, record_bytes]`` (see `impress_cache.probe`)
@@ -50,6 +42,36 @@ PROBE = 1
 
 #: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
 BlockKey = tuple[int, int, int, int]
+
+
+@dataclass
+class BlockTable:
+    """Where every block of one chunk file lives; arrays are indexed ``[kind, layer, block]``.
+
+    Block ``b`` of a file holds its rows ``b * chunk_tokens .. (b + 1) * chunk_tokens``
+    (fewer for the last block), for K/V blocks and probe pieces alike.
+    """
+
+    offsets: np.ndarray  # int64 [2, layers, blocks]
+    checksums: np.ndarray  # uint32 [2, layers, blocks]
+    seeds: np.ndarray  # uint32 [2, layers, blocks], see `block_seeds`
+    rows: np.ndarray  # int64 [blocks]
+    #: bytes of one row in a K/V block (``2 * kv_heads * head_dim * itemsize``) and in a probe piece
+    row_bytes: tuple[int, int]
+
+    @classmethod
+    def build(
+        cls, offsets: np.ndarray, checksums: np.ndarray, seed: int, n_tokens: int, chunk_tokens: int,
+        row_bytes: tuple[int, int],
+    ) -> BlockTable:
+        kinds, layers, blocks = np.indices(offsets.shape)
+        nb = offsets.shape[2]
+        rows = np.minimum(chunk_tokens, n_tokens - np.arange(nb) * chunk_tokens)
+        return cls(offsets, checksums, block_seeds(seed, kinds, layers, blocks), rows, row_bytes)
+
+    def nbytes(self, kind: int, blocks: np.ndarray | int) -> np.ndarray | int:
+        """Payload bytes of blocks of one kind."""
+        return self.rows[blocks] * self.row_bytes[kind]
 
 
 @dataclass(frozen=True)
@@ -93,8 +115,44 @@ def iter_blocks(
 
 
 def checksum(data: bytes | memoryview, seed: int = 0) -> int:
-    """Checksum of one block's bytes (CRC-32 started from ``seed``)."""
-    return zlib.crc32(data, seed) & 0xFFFFFFFF
+    """Checksum of one block's bytes: CRC-32C (hardware) started from ``seed``.
+
+    Releases the GIL, so reader threads verify blocks in parallel.
+    """
+    return crc32c.crc32c(data, seed, 1)
+
+
+def context_digest(tokens: np.ndarray) -> bytes:
+    """SHA-256 of the token ids before a file's first row (int32, little endian)."""
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).digest()
+
+
+def file_seed(file_uuid: bytes, context: bytes, first_pos: int, tokens: np.ndarray) -> int:
+    """The identity of a chunk file that every block checksum starts from: its UUID, the
+    digest of the tokens before its first row, that row's position and its rows' tokens."""
+    head = file_uuid + context + struct.pack("<q", first_pos)
+    return crc32c.crc32c(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), crc32c.crc32c(head))
+
+
+def block_seeds(seed: int, kinds: np.ndarray, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Per-block checksum seeds: the file seed mixed with (kind, layer, block), vectorised.
+
+    A 32-bit integer hash (murmur3's finaliser); distinct seeds give distinct checksums
+    for the same bytes, so a block cannot pass for another one.
+    """
+    m = np.uint64(0xFFFFFFFF)
+    x = (
+        np.uint64(seed)
+        ^ (np.asarray(kinds, dtype=np.uint64) * np.uint64(0x9E3779B1))
+        ^ (np.asarray(layers, dtype=np.uint64) * np.uint64(0x85EBCA77))
+        ^ (np.asarray(blocks, dtype=np.uint64) * np.uint64(0xC2B2AE3D))
+    ) & m
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x85EBCA6B)) & m
+    x ^= x >> np.uint64(13)
+    x = (x * np.uint64(0xC2B2AE35)) & m
+    x ^= x >> np.uint64(16)
+    return x.astype(np.uint32)
 
 
 class ChunkFormat(ABC):
@@ -107,13 +165,18 @@ class ChunkFormat(ABC):
         self.fsync = fsync
 
     @abstractmethod
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[BlockInfo]:
-        """Write ``blocks`` to ``path`` (a new file) and return where each one landed.
+    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
+        """Write ``blocks`` to ``path`` (a new file) and return each block's file offset.
 
-        Every block must start 4 KiB aligned. The caller writes to a temporary name and
-        renames it; the format only has to produce a complete file and flush it to the
-        device when ``fsync`` is set.
+        Every block must start 4 KiB aligned. ``metadata`` (string keys and values) goes
+        into the file's header, so that the file describes itself. The caller writes to
+        a temporary name and renames it; the format only has to produce a complete file
+        and flush it to the device when ``fsync`` is set.
         """
+
+    @abstractmethod
+    def read_metadata(self, path: Path) -> dict[str, str]:
+        """The ``metadata`` a file was written with (for repair and inspection)."""
 
 
 def fsync_path(path: Path) -> None:

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import torch
 
-from .base import ALIGN, BlockData, BlockInfo, ChunkFormat, checksum, fsync_path
+from .base import ALIGN, BlockData, ChunkFormat, fsync_path
 
 _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uint8}
 
@@ -23,8 +23,8 @@ _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uin
 class HDF5Format(ChunkFormat):
     suffix = "h5"
 
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[BlockInfo]:
-        infos: list[BlockInfo] = []
+    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
+        offsets: list[int] = []
         with h5py.File(path, "w", libver="latest", alignment_threshold=1, alignment_interval=ALIGN) as f:
             for key, value in metadata.items():
                 f.attrs[key] = value
@@ -39,7 +39,11 @@ class HDF5Format(ChunkFormat):
                 offset = ds.id.get_offset()
                 if offset is None or offset % ALIGN:
                     raise OSError(f"HDF5 placed block {blk.name} at unaligned offset {offset}")
-                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, offset, blk.nbytes, checksum(blk.payload)))
+                offsets.append(offset)
         if self.fsync:
             fsync_path(path)
-        return infos
+        return offsets
+
+    def read_metadata(self, path: Path) -> dict[str, str]:
+        with h5py.File(path, "r") as f:
+            return {k: str(v) for k, v in f.attrs.items()}

@@ -4,32 +4,33 @@ Memory-mapped partial reads pull whole files through the kernel's read-ahead (8 
 the machines this project is measured on), so blocks are read with ``preadv`` at the
 offsets the index recorded. Blocks that are neighbours in a file (separated only by
 alignment padding) are merged into one request whose iovecs scatter each block into its
-own destination and the padding into a scratch buffer; requests run on a thread pool so
-several are in flight at once. Every block is verified against its checksum before the
-call returns.
+own destination (adjacent destinations share one iovec) and the padding into a scratch
+buffer; requests run on a thread pool so several are in flight at once. Every block is
+verified against its checksum (CRC-32C from the block's seed, in the reading thread,
+without the GIL) before the batch is reported done.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import CorruptBlockError
 from .base import ALIGN, checksum
 
-#: iovecs per ``preadv`` call (Linux IOV_MAX is 1024; each block may need a gap iovec)
+#: iovecs per ``preadv`` call (Linux IOV_MAX is 1024; a block may need a gap iovec)
 _MAX_IOV = 1000
 
 
 @dataclass(frozen=True)
 class Extent:
-    """One block to read: ``nbytes`` at ``offset`` of ``path`` into ``dest[:nbytes]``.
-
-    ``expected`` is the block's checksum (see `checksum`); ``seed`` is passed to it.
-    """
+    """One block to read: ``nbytes`` at ``offset`` of ``path`` into ``dest[:nbytes]``,
+    expected to have checksum ``expected`` from ``seed``."""
 
     file_id: int
     path: Path
@@ -40,11 +41,28 @@ class Extent:
     seed: int = 0
 
 
+@dataclass
+class FileBlocks:
+    """Blocks of one file to read into one destination buffer (arrays of equal length)."""
+
+    file_id: int
+    path: Path
+    fd: int | None
+    offsets: np.ndarray  # int64
+    nbytes: np.ndarray  # int64
+    expected: np.ndarray  # uint32
+    seeds: np.ndarray  # uint32
+    dest: np.ndarray  # int64 byte offsets into the destination buffer
+
+
 class ReadBatch:
     """Reads in flight; `wait` returns the bytes read from the device (gaps included)."""
 
     def __init__(self, futures: list[Future[int]]) -> None:
         self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
 
     def wait(self) -> int:
         """Block until every run is read and verified; raise the first error."""
@@ -60,104 +78,109 @@ class ReadBatch:
 
 
 class BlockReader:
-    """Reads blocks on a thread pool of ``threads`` workers.
+    """Reads blocks on a thread pool of ``threads`` workers."""
 
-    ``open_file(file_id, path)`` may be given to supply file descriptors (the store
-    keeps them open for leased files); by default each run opens and closes its file.
-    """
-
-    def __init__(
-        self,
-        threads: int = 8,
-        max_merge_bytes: int = 8 * 2**20,
-        open_file: Callable[[int, Path], int] | None = None,
-    ) -> None:
+    def __init__(self, threads: int = 8, max_merge_bytes: int = 8 * 2**20) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impress-read")
         self.max_merge_bytes = max_merge_bytes
-        self._open_file = open_file
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     def read_into(self, extents: Sequence[Extent]) -> int:
-        """Read and verify every extent; return the bytes read from the device.
+        """Read and verify every extent (each into its own destination); return the bytes
+        read from the device. Raises `CorruptBlockError` (with the offending
+        ``file_id``) when a file is missing, not a regular file or short, or a block fails
+        its checksum."""
+        futures = []
+        for e in extents:
+            group = FileBlocks(
+                e.file_id, e.path, None, np.array([e.offset]), np.array([e.nbytes]),
+                np.array([e.expected], dtype=np.uint32), np.array([e.seed], dtype=np.uint32), np.array([0]),
+            )
+            futures.extend(self._submit_group(group, e.dest))
+        return ReadBatch(futures).wait()
 
-        Raises `CorruptBlockError` (with the offending ``file_id``) when a file is
-        missing, not a regular file or short, or a block fails its checksum.
-        """
-        return self.submit(extents).wait()
+    def submit(self, groups: Sequence[FileBlocks], dest: memoryview) -> ReadBatch:
+        """Start reading every group's blocks into ``dest`` at their ``dest`` offsets."""
+        futures: list[Future[int]] = []
+        for g in groups:
+            futures.extend(self._submit_group(g, dest))
+        return ReadBatch(futures)
 
-    def submit(self, extents: Sequence[Extent]) -> ReadBatch:
-        """Start reading ``extents`` in the background (see `read_into`)."""
-        return ReadBatch([self._pool.submit(self._read_run, run) for run in self.plan(extents)])
-
-    def plan(self, extents: Sequence[Extent]) -> list[list[Extent]]:
-        """Merge extents into runs: same file, ordered by offset, separated only by
-        alignment padding, at most ``max_merge_bytes`` and `_MAX_IOV` iovecs each."""
-        ordered = sorted(extents, key=lambda e: (e.file_id, str(e.path), e.offset))
-        runs: list[list[Extent]] = []
-        for e in ordered:
-            if runs:
-                run = runs[-1]
-                last, first = run[-1], run[0]
-                gap = e.offset - (last.offset + last.nbytes)
-                if (
-                    e.path == last.path
-                    and 0 <= gap < ALIGN
-                    and e.offset + e.nbytes - first.offset <= self.max_merge_bytes
-                    and 2 * len(run) + 2 <= _MAX_IOV
-                ):
-                    run.append(e)
-                    continue
-            runs.append([e])
-        return runs
-
-    def _read_run(self, run: list[Extent]) -> int:
-        start = run[0].offset
-        end = run[-1].offset + run[-1].nbytes
-        iovecs: list[memoryview] = []
-        pos = start
-        for e in run:
-            if e.offset > pos:
-                iovecs.append(memoryview(bytearray(e.offset - pos)))
-            iovecs.append(e.dest[: e.nbytes])
-            pos = e.offset + e.nbytes
-        first = run[0]
-        fd = self._open(first)
-        try:
-            _preadv_all(fd, iovecs, start, first, end)
-        finally:
-            if self._open_file is None:
-                os.close(fd)
-        for e in run:
-            if checksum(e.dest[: e.nbytes], e.seed) != e.expected:
-                raise CorruptBlockError(
-                    f"checksum mismatch in {e.path} at offset {e.offset} ({e.nbytes} bytes)", e.file_id
-                )
-        return end - start
-
-    def _open(self, e: Extent) -> int:
-        if self._open_file is not None:
-            return self._open_file(e.file_id, e.path)
-        try:
-            return os.open(e.path, os.O_RDONLY)
-        except OSError as exc:
-            raise CorruptBlockError(f"cannot open chunk file {e.path}: {exc}", e.file_id) from exc
+    def _submit_group(self, g: FileBlocks, dest: memoryview) -> list[Future[int]]:
+        order = np.argsort(g.offsets, kind="stable")
+        off, size = g.offsets[order], g.nbytes[order]
+        ends = off + size
+        # a new run starts where the gap to the previous block is negative or a whole
+        # page or more, or where the run would grow too large
+        gap = np.empty_like(off)
+        gap[0] = 0
+        gap[1:] = off[1:] - ends[:-1]
+        breaks = np.flatnonzero((gap < 0) | (gap >= ALIGN))
+        starts = [0, *breaks.tolist(), len(off)]
+        futures = []
+        for a, b in zip(starts[:-1], starts[1:]):
+            lo = a
+            while lo < b:
+                hi = lo + 1
+                while hi < b and ends[hi] - off[lo] <= self.max_merge_bytes and hi - lo < _MAX_IOV // 2:
+                    hi += 1
+                futures.append(self._pool.submit(_read_run, g, order[lo:hi], dest))
+                lo = hi
+        return futures
 
 
-def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, first: Extent, end: int) -> None:
+def _open(g: FileBlocks) -> int:
+    try:
+        return os.open(g.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CorruptBlockError(f"cannot open chunk file {g.path}: {exc}", g.file_id) from exc
+
+
+def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
+    offsets, sizes, dests = g.offsets[idx], g.nbytes[idx], g.dest[idx]
+    start = int(offsets[0])
+    end = int(offsets[-1] + sizes[-1])
+    # iovecs: destination ranges, merged when both the file and the destination continue
+    spans: list[list[int]] = []  # [dest_start, length] or [-1, gap length]
+    pos = start
+    for off, n, d in zip(offsets.tolist(), sizes.tolist(), dests.tolist()):
+        if off > pos:
+            spans.append([-1, off - pos])
+        elif spans and spans[-1][0] >= 0 and spans[-1][0] + spans[-1][1] == d:
+            spans[-1][1] += n
+            pos = off + n
+            continue
+        spans.append([d, n])
+        pos = off + n
+    iovecs = [memoryview(bytearray(n)) if d < 0 else dest[d : d + n] for d, n in spans]
+    fd = g.fd if g.fd is not None else _open(g)
+    try:
+        _preadv_all(fd, iovecs, start, g, end)
+    finally:
+        if g.fd is None:
+            os.close(fd)
+    for off, n, d, want, seed in zip(
+        offsets.tolist(), sizes.tolist(), dests.tolist(), g.expected[idx].tolist(), g.seeds[idx].tolist()
+    ):
+        if checksum(dest[d : d + n], seed) != want:
+            raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {off} ({n} bytes)", g.file_id)
+    return end - start
+
+
+def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, g: FileBlocks, end: int) -> None:
     """``preadv`` until every iovec is full; a short file raises `CorruptBlockError`."""
     pending = list(iovecs)
     pos = offset
     while pending:
         try:
-            n = os.preadv(fd, pending, pos)
+            n = os.preadv(fd, pending[:_MAX_IOV], pos)
         except OSError as exc:
-            raise CorruptBlockError(f"cannot read chunk file {first.path}: {exc}", first.file_id) from exc
+            raise CorruptBlockError(f"cannot read chunk file {g.path}: {exc}", g.file_id) from exc
         if n == 0:
             raise CorruptBlockError(
-                f"chunk file {first.path} is truncated: wanted bytes up to {end}, file ends at {pos}",
-                first.file_id,
+                f"chunk file {g.path} is truncated: wanted bytes up to {end}, file ends at {pos}", g.file_id
             )
         pos += n
         while pending and n >= len(pending[0]):
@@ -165,3 +188,4 @@ def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, first: Extent, e
             pending.pop(0)
         if n:
             pending[0] = pending[0][n:]
+

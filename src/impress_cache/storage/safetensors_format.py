@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .base import BlockData, BlockInfo, ChunkFormat, align_up, checksum
+from .base import BlockData, ChunkFormat, align_up
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8"}
 
@@ -26,7 +26,7 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 class SafetensorsFormat(ChunkFormat):
     suffix = "safetensors"
 
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[BlockInfo]:
+    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
         header: dict[str, object] = {"__metadata__": dict(metadata)}
         rel = 0
         placed: list[tuple[BlockData, int]] = []
@@ -46,7 +46,7 @@ class SafetensorsFormat(ChunkFormat):
         raw = json.dumps(header, separators=(",", ":")).encode()
         data_start = align_up(8 + len(raw))
         raw = raw + b" " * (data_start - 8 - len(raw))
-        infos: list[BlockInfo] = []
+        offsets: list[int] = []
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
@@ -55,8 +55,16 @@ class SafetensorsFormat(ChunkFormat):
                 if f.tell() < pos:
                     f.write(b"\0" * (pos - f.tell()))
                 f.write(blk.payload)
-                infos.append(BlockInfo(blk.kind, blk.layer, blk.block, blk.rows, pos, blk.nbytes, checksum(blk.payload)))
+                offsets.append(pos)
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
-        return infos
+        return offsets
+
+    def read_metadata(self, path: Path) -> dict[str, str]:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 1 << 30:
+                raise ValueError(f"{path}: safetensors header of {size} bytes")
+            header = json.loads(f.read(size))
+        return dict(header.get("__metadata__") or {})

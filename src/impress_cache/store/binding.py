@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +64,14 @@ def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path
     """Record the model and probe settings in a new store, or check them against an
     existing one (`ModelMismatchError` / `ConfigError` naming every differing field)."""
     spec = model_spec(model, config.kv_dtype)
-    stored = index.get_json("model")
-    if stored is None:
-        index.set_meta("model", json.dumps(spec.to_dict()))
-    else:
-        spec.check_same(stored, str(path))
+    # one transaction each: of two processes creating a store, one records its model
+    spec.check_same(index.get_or_set_json("model", spec.to_dict()), str(path))
     q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(config.probe_heads, spec.num_attention_heads))
     group = spec.num_attention_heads // spec.num_kv_heads
     kv = tuple(sorted({h // group for h in q}))
     want = {"query_heads": list(q), "kv_heads": list(kv), "encoding": config.probe_dtype}
-    stored_probe = index.get_json("probe")
-    if stored_probe is None:
-        index.set_meta("probe", json.dumps(want))
-    elif stored_probe != want:
+    stored_probe = index.get_or_set_json("probe", want)
+    if stored_probe != want:
         diffs = [
             f"{k}: store has {stored_probe.get(k)!r}, config gives {want[k]!r}"
             for k in want

@@ -1,10 +1,12 @@
 """The read path: blocks of a request step, from the memory tiers or the disk, into one pool.
 
-One call plans once and goes one way: every distinct block is looked up in the memory
-tiers in one batch (`TierManager.lookup`), the misses are read from disk in one batch
-straight into their slots of the pool tensor (`BlockReader.read_into`), blocks read
-from disk are offered to the tiers in one batch, and the call is accounted once. The
-result is always a `BlockSet` of tensors.
+One call plans once and goes one way: the blocks are deduplicated and given pool slots in
+file order (with numpy, no per-block Python objects when the memory tiers are off), the
+memory tiers are asked in one batch (`TierManager.lookup`, skipped entirely when both
+budgets are 0), the misses are read from disk in one batch straight into their slots
+(`BlockReader.submit`), blocks read from disk are offered to the tiers in one batch, and
+the call is accounted once. `start` returns at once with the disk reads in flight;
+`PendingRead.result` waits for them and returns a `BlockSet` of tensors.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..model_info import ModelSpec
 from ..storage.base import KV, BlockKey
-from ..storage.reader import BlockReader, Extent
+from ..storage.reader import BlockReader, FileBlocks, ReadBatch
 from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
 from .catalog import Catalog
+from .layout import PrefixLayout
 
 #: where a block lookup was served from
 SOURCES = (DEVICE, HOST, "disk")
+_LAYER_BITS, _BLOCK_BITS = 12, 20
 
 
 def _zero_sources() -> dict[str, dict[str, list[int]]]:
@@ -62,6 +67,41 @@ def clip_share(share: float | None) -> float:
     return 1.0 if math.isnan(s) else min(1.0, max(0.0, s))
 
 
+@dataclass
+class _Plan:
+    """One read, planned: slot ``s`` holds block ``(files[s], kind, layers[s], blocks[s])``."""
+
+    kind: int
+    files: np.ndarray
+    layers: np.ndarray
+    blocks: np.ndarray
+    rows: np.ndarray
+    nbytes: np.ndarray
+    shares: np.ndarray
+    slot_of: list[int]
+    decode: bool
+    pool: torch.Tensor
+    keys: list[BlockKey] | None = None
+    source: dict[int, str] = field(default_factory=dict)
+    disk: np.ndarray | None = None
+    batch: ReadBatch | None = None
+    t0: float = 0.0
+
+
+class PendingRead:
+    """A read whose disk part is in flight; `result` finishes it."""
+
+    def __init__(self, io: BlockIO, plan: _Plan) -> None:
+        self._io = io
+        self._plan = plan
+        self._result: BlockSet | None = None
+
+    def result(self) -> BlockSet:
+        if self._result is None:
+            self._result = self._io._finish(self._plan)
+        return self._result
+
+
 class BlockIO:
     """Reads blocks for requests and keeps the store's I/O counters."""
 
@@ -89,6 +129,7 @@ class BlockIO:
         with self._lock:
             self.counters = IOCounters()
 
+    # -- entry points ----------------------------------------------------------------------
     def read(
         self,
         keys: Sequence[BlockKey],
@@ -120,61 +161,133 @@ class BlockIO:
         CorruptBlockError
             Naming the file of a missing or damaged block.
         """
-        t0 = time.perf_counter()
-        keys = list(keys)
-        if shares is not None and len(shares) != len(keys):
-            raise ValueError(f"shares must have one entry per key: {len(shares)} shares for {len(keys)} keys")
         kinds = {k[1] for k in keys}
         if len(kinds) > 1:
             raise ValueError("read one kind of block per call (K/V or probe pieces)")
-        kind = kinds.pop() if kinds else KV
-        slot_of: list[int] = []
-        unique: dict[BlockKey, int] = {}
-        share_of: list[float] = []
-        for i, key in enumerate(keys):
-            slot = unique.setdefault(key, len(unique))
-            if slot == len(share_of):
-                share = 0.0 if decode and kind == KV else (1.0 if kind != KV or shares is None else clip_share(shares[i]))
-                share_of.append(share)
-            slot_of.append(slot)
-        slot_keys = list(unique)
-        files = [self._catalog.open_file(k[0]) for k in slot_keys]
-        infos = [f.info(k) for f, k in zip(files, slot_keys)]
-        rows = [info.rows for info in infos]
-        pool = self._pool(kind, len(slot_keys), max(rows, default=1))
-        known = known or {}
-        todo = [s for s, k in enumerate(slot_keys) if k not in known]
-        for s, k in enumerate(slot_keys):
-            if k in known:
-                self._place(pool, kind, s, known[k])
-        found = self._tiers.lookup(
-            [slot_keys[s] for s in todo], [share_of[s] for s in todo], [infos[s].nbytes for s in todo]
-        )
-        source: dict[int, str] = {}
-        disk: list[int] = []
-        for s, hit in zip(todo, found):
-            if hit is None:
-                disk.append(s)
-            else:
-                source[s] = hit[0]
-                self._place(pool, kind, s, hit[1])
-        nbytes = self._read_disk(pool, kind, disk, slot_keys, files, infos)
-        if disk and self._tiers.enabled:
-            self._tiers.admit(
-                [(slot_keys[s], self._owned(pool, kind, s, rows[s]), infos[s].nbytes, share_of[s]) for s in disk],
-                protect=slot_keys,
-            )
-        self._on_access(slot_keys[s] for s in todo)
-        stats = self._account(kind, todo, source, disk, infos, share_of, nbytes, decode)
-        stats.seconds = time.perf_counter() - t0
-        return BlockSet(kind, pool, rows, slot_of, stats)
+        if shares is not None and len(shares) != len(keys):
+            raise ValueError(f"shares must have one entry per key: {len(shares)} shares for {len(keys)} keys")
+        arr = np.asarray(keys, dtype=np.int64).reshape(-1, 4)
+        return self._start(
+            kinds.pop() if kinds else KV, arr[:, 0], arr[:, 2], arr[:, 3], shares, decode, known
+        ).result()
+
+    def start_layout(
+        self,
+        layout: PrefixLayout,
+        kind: int,
+        layers: Sequence[int],
+        units: Sequence[int] | None = None,
+        shares: Sequence[float | None] | None = None,
+        *,
+        decode: bool = False,
+        known: Mapping[BlockKey, torch.Tensor] | None = None,
+    ) -> PendingRead:
+        """Start reading the blocks of ``units`` (default: all) of ``layout`` for every layer
+        in ``layers``; key ``i * len(units) + j`` is unit ``units[j]`` of ``layers[i]``.
+        ``shares`` has one entry per unit (the same in every layer)."""
+        u = np.arange(len(layout.units)) if units is None else np.asarray(units, dtype=np.int64)
+        files = np.tile(layout.unit_files[u], len(layers))
+        blocks = np.tile(layout.unit_blocks[u], len(layers))
+        lay = np.repeat(np.asarray(layers, dtype=np.int64), len(u))
+        per_key = None if shares is None else list(shares) * len(layers)
+        return self._start(kind, files, lay, blocks, per_key, decode, known)
 
     # -- steps -----------------------------------------------------------------------
+    def _start(self, kind, files, layers, blocks, shares, decode, known) -> PendingRead:  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        code = (files << (_LAYER_BITS + _BLOCK_BITS)) | (layers << _BLOCK_BITS) | blocks
+        uniq, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        s_files, s_layers, s_blocks = files[first], layers[first], blocks[first]
+        n = len(uniq)
+        rows = np.zeros(n, dtype=np.int64)
+        groups = np.flatnonzero(np.r_[True, s_files[1:] != s_files[:-1]]) if n else np.zeros(0, np.int64)
+        bounds = [*groups.tolist(), n]
+        tables = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            f = self._catalog.open_file(int(s_files[a]))
+            rows[a:b] = f.table.rows[s_blocks[a:b]]
+            tables.append((a, b, f))
+        if kind == KV and decode:
+            share_arr = np.zeros(n)
+        elif kind != KV or shares is None:
+            share_arr = np.ones(n)
+        else:
+            share_arr = np.array([clip_share(shares[i]) for i in first.tolist()], dtype=np.float64)
+        row_bytes = self._kv_row_bytes() if kind == KV else self._probe_record
+        nbytes = rows * row_bytes
+        plan = _Plan(
+            kind, s_files, s_layers, s_blocks, rows, nbytes, share_arr, inverse.tolist(), decode,
+            self._pool(kind, n, int(rows.max()) if n else 1), t0=t0,
+        )
+        disk = np.ones(n, dtype=bool)
+        if known or self._tiers.enabled:
+            plan.keys = [(int(f), kind, int(la), int(bl)) for f, la, bl in zip(s_files, s_layers, s_blocks)]
+        if known:
+            for s, key in enumerate(plan.keys or ()):
+                if key in known:
+                    self._place(plan.pool, kind, s, known[key])
+                    disk[s] = False
+                    plan.source[s] = "known"
+        if self._tiers.enabled and plan.keys is not None:
+            todo = np.flatnonzero(disk).tolist()
+            found = self._tiers.lookup(
+                [plan.keys[s] for s in todo], [float(share_arr[s]) for s in todo], [int(nbytes[s]) for s in todo]
+            )
+            for s, hit in zip(todo, found):
+                if hit is not None:
+                    plan.source[s] = hit[0]
+                    self._place(plan.pool, kind, s, hit[1])
+                    disk[s] = False
+        plan.disk = np.flatnonzero(disk)
+        if len(plan.disk):
+            flat = plan.pool.view(torch.uint8).reshape(-1).numpy()
+            slot_bytes = flat.nbytes // max(1, n)
+            work = []
+            for a, b, f in tables:
+                sel = plan.disk[(plan.disk >= a) & (plan.disk < b)]
+                if not len(sel):
+                    continue
+                t = f.table
+                la, bl = s_layers[sel], s_blocks[sel]
+                work.append(FileBlocks(
+                    f.record.id, f.path, self._catalog.fd(f), t.offsets[kind, la, bl], nbytes[sel],
+                    t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes,
+                ))
+            plan.batch = self._reader.submit(work, memoryview(flat))
+        return PendingRead(self, plan)
+
+    def _finish(self, plan: _Plan) -> BlockSet:
+        nbytes_disk = plan.batch.wait() if plan.batch is not None else 0
+        pool, kind = plan.pool, plan.kind
+        assert plan.disk is not None
+        if kind == KV and len(plan.disk):
+            spec, full = self._spec, pool.shape[3]
+            for s in plan.disk[plan.rows[plan.disk] < full].tolist():
+                r = int(plan.rows[s])  # a short block landed at the start of its slot: spread its rows
+                raw = pool[s].reshape(-1)[: 2 * spec.num_kv_heads * r * spec.head_dim].clone()
+                pool[s, :, :, :r] = raw.view(2, spec.num_kv_heads, r, spec.head_dim)
+        if self._tiers.enabled and plan.keys is not None:
+            if len(plan.disk):
+                self._tiers.admit(
+                    [
+                        (plan.keys[s], self._owned(pool, kind, s, int(plan.rows[s])), int(plan.nbytes[s]), float(plan.shares[s]))
+                        for s in plan.disk.tolist()
+                    ],
+                    protect=plan.keys,
+                )
+            self._on_access(k for s, k in enumerate(plan.keys) if plan.source.get(s) != "known")
+        stats = self._account(plan, nbytes_disk)
+        stats.seconds = time.perf_counter() - plan.t0
+        return BlockSet(kind, pool, plan.rows.tolist(), plan.slot_of, stats)
+
+    def _kv_row_bytes(self) -> int:
+        spec = self._spec
+        return 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.torch_kv_dtype).element_size()
+
     def _pool(self, kind: int, slots: int, slot_rows: int) -> torch.Tensor:
         spec = self._spec
         if kind == KV:
-            shape = (slots, 2, spec.num_kv_heads, slot_rows, spec.head_dim)
-            return torch.empty(shape, dtype=spec.torch_kv_dtype)
+            return torch.empty((slots, 2, spec.num_kv_heads, slot_rows, spec.head_dim), dtype=spec.torch_kv_dtype)
         return torch.empty((slots, slot_rows, self._probe_record), dtype=torch.uint8)
 
     @staticmethod
@@ -190,62 +303,42 @@ class BlockIO:
         out = torch.empty(view.shape, dtype=view.dtype, pin_memory=self._pin_host)
         return out.copy_(view)
 
-    def _read_disk(self, pool, kind, disk, slot_keys, files, infos) -> int:  # type: ignore[no-untyped-def]
-        if not disk:
-            return 0
-        flat = pool.view(torch.uint8).reshape(-1).numpy()
-        slot_bytes = flat.nbytes // pool.shape[0]
-        mv = memoryview(flat)
-        extents = [
-            Extent(
-                slot_keys[s][0], files[s].path, infos[s].offset, infos[s].nbytes, infos[s].checksum,
-                mv[s * slot_bytes : (s + 1) * slot_bytes],
-            )
-            for s in disk
-        ]
-        nbytes = self._reader.read_into(extents)
-        if kind == KV:
-            spec = self._spec
-            full = pool.shape[3]
-            for s in disk:
-                r = infos[s].rows
-                if r < full:  # a short block landed at the start of its slot: spread its rows
-                    raw = pool[s].reshape(-1)[: 2 * spec.num_kv_heads * r * spec.head_dim].clone()
-                    pool[s, :, :, :r] = raw.view(2, spec.num_kv_heads, r, spec.head_dim)
-        return nbytes
-
-    def _account(self, kind, todo, source, disk, infos, share_of, nbytes, decode) -> ReadStats:  # type: ignore[no-untyped-def]
-        stats = ReadStats(disk_bytes=nbytes, disk_blocks=len(disk), memory_blocks=len(source))
+    def _account(self, plan: _Plan, nbytes_disk: int) -> ReadStats:
+        disk = plan.disk
+        assert disk is not None
+        kind, nbytes, shares = plan.kind, plan.nbytes, plan.shares
         label = "kv" if kind == KV else "probe"
+        looked = [s for s in range(len(nbytes)) if plan.source.get(s) != "known"]
+        stats = ReadStats(disk_bytes=nbytes_disk, disk_blocks=len(disk), memory_blocks=len(looked) - len(disk))
+        disk_sum = int(nbytes[disk].sum())
         with self._lock:
             c = self.counters
-            c.bytes_read_disk += nbytes
+            c.bytes_read_disk += nbytes_disk
             c.blocks_read += len(disk)
-            for s in todo:
-                info = infos[s]
-                src = source.get(s, "disk")
-                cell = c.served[label][src]
-                cell[0] += 1
-                cell[1] += info.nbytes
-                if kind != KV:
-                    if src == "disk":
-                        c.probe_bytes_read_disk += info.nbytes
-                    continue
-                if decode:
-                    c.decode_blocks += 1
-                    if src == "disk":
-                        c.decode_bytes_read_disk += info.nbytes
-                    continue
-                important = share_of[s] * info.rows
-                c.important_rows_needed += important
+            cell = c.served[label]["disk"]
+            cell[0] += len(disk)
+            cell[1] += disk_sum
+            for s, src in plan.source.items():
+                if src != "known":
+                    c.served[label][src][0] += 1
+                    c.served[label][src][1] += int(nbytes[s])
+            if kind != KV:
+                c.probe_bytes_read_disk += disk_sum
+                return stats
+            if plan.decode:
+                c.decode_blocks += len(looked)
+                c.decode_bytes_read_disk += disk_sum
+                return stats
+            important = shares * plan.rows
+            c.important_rows_needed += float(important[looked].sum())
+            for s, src in plan.source.items():
                 if src == DEVICE:
-                    c.important_rows_device += important
+                    c.important_rows_device += float(important[s])
                 elif src == HOST:
-                    c.important_rows_host += important
-                else:
-                    unattended = info.nbytes * (1.0 - share_of[s])
-                    c.kv_bytes_read_disk += info.nbytes
-                    c.kv_bytes_unattended += unattended
-                    stats.kv_disk_bytes += info.nbytes
-                    stats.kv_unattended_bytes += unattended
+                    c.important_rows_host += float(important[s])
+            unattended = float((nbytes[disk] * (1.0 - shares[disk])).sum())
+            c.kv_bytes_read_disk += disk_sum
+            c.kv_bytes_unattended += unattended
+            stats.kv_disk_bytes = disk_sum
+            stats.kv_unattended_bytes = unattended
         return stats

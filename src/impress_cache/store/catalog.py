@@ -1,132 +1,236 @@
 """The store's metadata room: the radix tree, the SQLite index and the open-file table.
 
 Everything here runs under one lock (`Catalog.lock`), which the rest of the store takes
-only for a few index operations at a time. The tree in memory mirrors the index; when
+only for a few index operations at a time. The tree in memory mirrors the index and
+changes only after the index transaction that records the change has committed. When
 another process commits to the index, `refresh` reloads the tree and forgets what this
-process knew about files that changed (``on_forget`` lets the memory tiers drop their
+process knew about files that are gone (``on_forget`` lets the memory tiers drop their
 blocks).
+
+Chunk files are opened relative to the ``chunks/`` directory's descriptor, never through
+a symbolic link, and only if they are regular files; a file's name must be one the store
+writes (32 hex digits and a format suffix).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..errors import CorruptBlockError
-from ..index.radix import Match, RadixNode, RadixTree
-from ..index.sqlite import FileRecord, Index
-from ..storage.base import BlockInfo, BlockKey
+import numpy as np
+
+from ..errors import CorruptBlockError, StoreFormatError
+from ..index.radix import Match, RadixNode, RadixTree, as_tokens
+from ..index.sqlite import FileRecord, Index, NewFile
+from ..storage.base import BlockTable, context_digest, file_seed
+
+log = logging.getLogger(__name__)
 
 CHUNK_DIR = "chunks"
+#: names the store gives its chunk files; anything else in the index is damage
+FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)$")
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass
 class OpenFile:
-    """A chunk file this process has looked up: its record, path and block table."""
+    """A chunk file this process has looked up: its record, path, block table and fd."""
 
     record: FileRecord
     path: Path
-    blocks: dict[tuple[int, int, int], BlockInfo]  # (kind, layer, block)
-
-    def info(self, key: BlockKey) -> BlockInfo:
-        info = self.blocks.get(key[1:])
-        if info is None:
-            raise CorruptBlockError(f"block {key[1]}/{key[2]}/{key[3]} of file {self.path} is not indexed", key[0])
-        return info
+    table: BlockTable
+    fd: int | None = None
 
 
 class Catalog:
     """Radix tree + index + file table of one store directory."""
 
-    def __init__(self, root: Path, index: Index, on_forget: Callable[[set[int]], None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        index: Index,
+        row_bytes: tuple[int, int],
+        on_forget: Callable[[set[int]], None],
+        on_split: Callable[[int, tuple[int, int]], None] = lambda old, new: None,
+    ) -> None:
         self.root = root
         self.chunks = root / CHUNK_DIR
         self.index = index
         self.lock = threading.RLock()
+        self._row_bytes = row_bytes
         self._on_forget = on_forget
-        self._files: dict[int, OpenFile] = {}
-        #: name of every file whose blocks this process may hold in memory (detects reused ids)
-        self._known: dict[int, str] = {}
-        self.tree: RadixTree = index.load_tree()
+        self._on_split = on_split
+        self._open: dict[int, OpenFile] = {}
+        self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.tree: RadixTree
+        self.records: dict[int, FileRecord]
+        self.tree, self.records = index.load_tree()
+
+    def close(self) -> None:
+        with self.lock:
+            for f in self._open.values():
+                if f.fd is not None:
+                    os.close(f.fd)
+            self._open.clear()
+            os.close(self.chunks_fd)
 
     # -- tree ------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
+    def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:
         with self.lock:
             self.refresh()
             return self.tree.match(tokens, limit)
 
-    def node(self, node_id: int) -> RadixNode | None:
-        with self.lock:
-            try:
-                return self.tree.node(node_id)
-            except KeyError:
-                return None
+    def check_match(self, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:
+        """Check a match against what its files say about themselves: each segment's
+        position is its file's first position plus its row, and the tokens before the
+        file's first row are the ones the file was computed after (SHA-256). Returns
+        ``(file_id, reason)`` for the first file that contradicts the index, else ``None``.
+        """
+        pos = 0
+        digests: dict[int, bytes] = {}
+        for seg in match.segments:
+            rec = self.records.get(seg.file_id)
+            if rec is None:
+                return seg.file_id, "the index has no record of it"
+            if rec.first_pos + seg.file_row != pos:
+                return seg.file_id, f"a node places its row {seg.file_row} at position {pos}, not {rec.first_pos + seg.file_row}"
+            if rec.first_pos not in digests:
+                digests[rec.first_pos] = context_digest(tokens[: rec.first_pos])
+            if digests[rec.first_pos] != rec.context:
+                return seg.file_id, "the tokens before its first row are not the ones it was computed after"
+            pos += seg.length
+        return None
 
     def refresh(self) -> None:
         """Reload the tree if another process changed the index."""
         with self.lock:
             if self.index.changed_elsewhere():
                 self.reload_tree()
-                self._files.clear()
-                current = {f.id: f.name for f in self.index.files()}
-                stale = {fid for fid, name in self._known.items() if current.get(fid) != name}
-                self.forget(stale)
 
     def reload_tree(self) -> None:
-        """Rebuild the tree from the index, keeping the references of nodes still there."""
+        """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
-            locks = {n.id: n.lock_ref for n in self.tree.nodes() if n.lock_ref}
-            self.tree = self.index.load_tree()
-            for node_id, ref in locks.items():
-                try:
-                    self.tree.node(node_id).lock_ref = ref
-                except KeyError:
-                    pass
+            self.tree, self.records = self.index.load_tree()
+            self.forget(set(self._open) - set(self.records))
 
-    def insert(self, conn: Any, tokens: Sequence[int], file_id: int, file_row_of_first_new: int = 0) -> RadixNode | None:
-        """Insert ``tokens`` in the tree and persist the nodes that changed; return the
-        new leaf (``None`` when every token was stored already)."""
-        _, upper, leaf = self.tree.insert(tokens, file_id, file_row_of_first_new)
-        if upper is not None:
-            self.index.put_node(conn, upper)
-            for child in upper.children.values():
-                self.index.put_node(conn, child)
-        if leaf is not None:
-            self.index.put_node(conn, leaf)
-        else:
-            end = self.tree.match(tokens).segments
-            if end:
-                self.index.put_node(conn, end[-1].node)
-        return leaf
+    def commit_prompt(
+        self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None
+    ) -> tuple[int, RadixNode | None] | None:
+        """Index a stored prompt in one transaction, then update the tree.
 
-    def remove(self, conn: Any, node: RadixNode) -> None:
-        """Remove a leaf from the tree and the index."""
+        ``new_file`` holds the prompt's rows from position ``matched`` on (``None`` when
+        the prompt was stored already). Returns ``(file_id, leaf)`` when the file was
+        committed, ``None`` when it is not needed (another writer stored the prompt
+        meanwhile) or cannot be used (part of the prefix it extends was removed); the
+        caller then deletes it.
+        """
+        arr = as_tokens(tokens)
+        ids: dict[str, int] = {}
+        with self.lock:
+            with self.index.transaction() as conn:
+                self.refresh()  # under the write lock: nobody commits between this and ours
+                now_m = self.tree.match(arr).length
+                if new_file is not None and now_m < matched:
+                    log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
+                    return None  # part of the prefix this file extends was removed meanwhile
+                if now_m == len(arr):
+                    new_file = None  # stored meanwhile by another writer
+                file_id = self.index.add_file(conn, new_file) if new_file is not None else -1
+                file_tokens = None if new_file is None else as_tokens(new_file.tokens)
+                plan = self.tree.plan_insert(arr, file_id, now_m - matched, file_tokens)
+                parent_id = plan.parent.id
+                if plan.split is not None:
+                    old, k = plan.split
+                    assert old.parent is not None
+                    self.index.delete_node(conn, old.id)
+                    ids["upper"] = self.index.add_node(
+                        conn, old.parent.id, old.file_id, old.file_row, k, int(plan.leaf is None)
+                    )
+                    ids["lower"] = self.index.add_node(
+                        conn, ids["upper"], old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal
+                    )
+                    self.index.reparent(conn, old.id, ids["lower"])
+                    parent_id = ids["upper"]
+                if plan.leaf is not None:
+                    leaf_tokens, _, row = plan.leaf
+                    ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
+                elif plan.terminal is not None:
+                    self.index.add_terminal(conn, plan.terminal.id)
+                record = self.index.file(file_id) if new_file is not None else None
+            # committed: now the tree follows
+            if record is not None:
+                self.records[file_id] = record
+            parent = plan.parent
+            if plan.split is not None:
+                old, k = plan.split
+                parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
+                self._on_split(old.id, (ids["upper"], ids["lower"]))
+                if plan.leaf is None:
+                    parent.terminal += 1
+            leaf = None
+            if plan.leaf is not None:
+                leaf_tokens, _, row = plan.leaf
+                leaf = self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
+            elif plan.terminal is not None:
+                plan.terminal.terminal += 1
+            return (file_id, leaf) if record is not None else None
+
+    def remove(self, conn: object, node: RadixNode) -> None:
+        """Remove a leaf from the index (inside ``conn``'s transaction) and the tree.
+
+        Callers reload the tree if the transaction then fails."""
+        self.index.delete_node(conn, node.id)  # type: ignore[arg-type]
         self.tree.remove(node)
-        self.index.delete_node(conn, node.id)
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
+        """The block table of a file, checked against the store's naming rules."""
         with self.lock:
-            f = self._files.get(file_id)
-            if f is None:
-                record = self.index.file(file_id)
-                if record is None:
-                    raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
-                f = OpenFile(record, self.chunks / record.name, self.index.blocks(file_id))
-                self._files[file_id] = f
-                known = self._known.get(file_id)
-                if known is not None and known != record.name:
-                    # the id was reused for a new file: blocks cached for the old one are stale
-                    self.forget({file_id})
-                    self._files[file_id] = f
-                self._known[file_id] = record.name
+            f = self._open.get(file_id)
+            if f is not None:
+                return f
+            record = self.records.get(file_id) or self.index.file(file_id)
+            if record is None:
+                raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
+            if not FILE_NAME.match(record.name):
+                raise StoreFormatError(
+                    f"the index {self.index.path} is damaged: file {file_id} is named {record.name!r}, "
+                    "which is not a name this store gives its chunk files. Rebuild the index with "
+                    "`impress-cache verify --repair`."
+                )
+            arrays = self.index.block_table(file_id)
+            if arrays is None:
+                raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
+            seed = file_seed(bytes.fromhex(record.name[:32]), record.context, record.first_pos, record.tokens)
+            table = BlockTable.build(*arrays, seed, record.n_tokens, record.chunk_tokens, self._row_bytes)
+            f = OpenFile(record, self.chunks / record.name, table)
+            self._open[file_id] = f
             return f
 
+    def fd(self, f: OpenFile) -> int:
+        """A read-only descriptor of a chunk file: no symbolic links, regular files only,
+        never blocking on a FIFO."""
+        with self.lock:
+            if f.fd is None:
+                try:
+                    fd = os.open(f.record.name, _OPEN_FLAGS, dir_fd=self.chunks_fd)
+                except OSError as exc:
+                    raise CorruptBlockError(f"cannot open chunk file {f.path}: {exc}", f.record.id) from exc
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise CorruptBlockError(f"chunk file {f.path} is not a regular file", f.record.id)
+                f.fd = fd
+            return f.fd
+
     def chunk_tokens_of(self, file_id: int) -> int:
-        return self.open_file(file_id).record.chunk_tokens
+        record = self.records.get(file_id)
+        return record.chunk_tokens if record is not None else self.open_file(file_id).record.chunk_tokens
 
     def forget(self, file_ids: Iterable[int]) -> None:
         """Drop everything this process knows about files (deleted or replaced)."""
@@ -135,20 +239,29 @@ class Catalog:
             return
         with self.lock:
             for fid in ids:
-                self._known.pop(fid, None)
-                self._files.pop(fid, None)
+                f = self._open.pop(fid, None)
+                if f is not None and f.fd is not None:
+                    os.close(f.fd)
             self._on_forget(ids)
 
-    def drop_unreferenced_files(self, conn: Any) -> list[FileRecord]:
+    def drop_unreferenced_files(self, conn: object) -> list[FileRecord]:
         """Delete from the index the files no node references; return their records.
 
         The caller unlinks them once the transaction has committed (or, for a
         quarantined file, moves it aside).
         """
         dropped = []
-        for fid in self.index.unreferenced_files(conn):
-            rec = self.index.file(fid)
-            self.index.delete_file(conn, fid)
+        for fid in self.index.unreferenced_files(conn):  # type: ignore[arg-type]
+            rec = self.records.get(fid) or self.index.file(fid)
+            self.index.delete_file(conn, fid)  # type: ignore[arg-type]
             if rec is not None:
                 dropped.append(rec)
         return dropped
+
+    def unlink(self, name: str) -> None:
+        """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""
+        if FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4])):
+            try:
+                os.unlink(name, dir_fd=self.chunks_fd)
+            except FileNotFoundError:
+                pass

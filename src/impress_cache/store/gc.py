@@ -1,22 +1,24 @@
 """Removing what the store no longer wants on disk: damaged files, crash leftovers and the
-least valuable prefixes when the chunk files exceed ``disk_bytes``."""
+least valuable prefixes when the chunk files exceed ``disk_bytes``.
+
+The store only ever deletes files it wrote itself: names it gives its chunk files (or
+their temporary names), relative to its own ``chunks/`` directory; a file still leased by
+a request of this process is unlinked when the lease is released.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..errors import CorruptBlockError
-from ..index.radix import RadixNode, Segment
+from ..errors import StoreFormatError
+from ..index.radix import RadixNode
 from ..index.sqlite import FileRecord
-from ..storage.base import KV, BlockKey
-from ..tiers import TierManager
-from .catalog import Catalog
-from .layout import PrefixLayout
+from .catalog import FILE_NAME, Catalog
 from .leases import LeaseTable
+from .values import NodeValues
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +38,10 @@ class GCCounters:
 class StoreGC:
     """Quarantine, orphan removal and the disk budget of one store."""
 
-    def __init__(
-        self,
-        catalog: Catalog,
-        leases: LeaseTable,
-        tiers: TierManager,
-        num_layers: int,
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, catalog: Catalog, leases: LeaseTable, values: NodeValues, clock: Callable[[], float]) -> None:
         self._catalog = catalog
         self._leases = leases
-        self._tiers = tiers
-        self._layers = num_layers
+        self._values = values
         self._clock = clock
         self.counters = GCCounters()
 
@@ -59,55 +53,90 @@ class StoreGC:
         from the index; later requests recompute those tokens.
         """
         catalog = self._catalog
-        removed = 0
-        with catalog.lock, catalog.index.transaction() as conn:
-            catalog.refresh()
-            for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
-                if top.parent is None:
-                    continue  # already removed as part of another subtree
-                for node in catalog.tree.subtree(top):
-                    node.lock_ref = 0
-                    catalog.remove(conn, node)
-                    removed += 1
-            record = catalog.index.file(file_id)
-            dropped = catalog.drop_unreferenced_files(conn)
-            self._unlink(rec for rec in dropped if rec.id != file_id)
+        removed: list[int] = []
+        with catalog.lock:
+            try:
+                with catalog.index.transaction() as conn:
+                    catalog.refresh()
+                    for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
+                        if catalog.tree.get(top.id) is not top:
+                            continue  # already removed as part of another subtree
+                        for node in catalog.tree.subtree(top):
+                            catalog.remove(conn, node)
+                            removed.append(node.id)
+                    record = catalog.records.get(file_id) or catalog.index.file(file_id)
+                    dropped = catalog.drop_unreferenced_files(conn)
+            except BaseException:
+                catalog.reload_tree()
+                raise
+            self._values.forget(removed)
+            for rec in dropped:
+                if rec.id != file_id:
+                    self._leases.defer_unlink(rec.id, rec.name)
             catalog.forget({rec.id for rec in dropped} | {file_id})
-            if record is not None:
-                qdir = catalog.root / QUARANTINE_DIR
-                qdir.mkdir(exist_ok=True)
-                src = catalog.chunks / record.name
-                if src.exists():
-                    os.replace(src, qdir / record.name)
+            if record is not None and FILE_NAME.match(record.name):
+                self._move_aside(record.name)
             self.counters.quarantined_files += 1
         log.warning(
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
-            record.name if record else file_id, reason, removed,
+            record.name if record else file_id, reason, len(removed),
         )
 
-    def remove_orphans(self) -> None:
-        """Delete temp files and chunk files the index does not know (crash leftovers)."""
-        known = {f.name for f in self._catalog.index.files()}
-        for p in self._catalog.chunks.iterdir():
-            if p.name not in known:
-                log.info("removing unindexed file %s (left by an interrupted write)", p.name)
-                p.unlink(missing_ok=True)
+    def _move_aside(self, name: str) -> None:
+        root = self._catalog.root
+        qdir = root / QUARANTINE_DIR
+        if not qdir.is_symlink():
+            qdir.mkdir(mode=0o700, exist_ok=True)
+        if qdir.is_symlink() or not qdir.is_dir():
+            log.warning("%s is not a directory of this store; leaving %s in place", qdir, name)
+            return
+        qfd = os.open(qdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.replace(name, name, src_dir_fd=self._catalog.chunks_fd, dst_dir_fd=qfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(qfd)
 
-    def _unlink(self, records: Iterable[FileRecord]) -> None:
-        for rec in records:
-            (self._catalog.chunks / rec.name).unlink(missing_ok=True)
+    def remove_orphans(self) -> None:
+        """Delete temp files and chunk files the index does not know (crash leftovers).
+
+        Raises `StoreFormatError` when ``chunks/`` holds anything the store does not
+        write (it never deletes files it did not create).
+        """
+        catalog = self._catalog
+        known = set(catalog.index.file_names().values())
+        foreign, orphans = [], []
+        for entry in os.scandir(catalog.chunks_fd):
+            name = entry.name
+            ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
+            if not ours or not entry.is_file(follow_symlinks=False):
+                foreign.append(name)
+            elif name not in known:
+                orphans.append(name)
+        if foreign:
+            shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise StoreFormatError(
+                f"{catalog.chunks} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this store did "
+                f"not write ({shown}); impress_cache deletes files in its own folders, so it will not open "
+                "a store there. Move them away or choose another store directory."
+            )
+        for name in orphans:
+            log.info("removing unindexed file %s (left by an interrupted write)", name)
+            catalog.unlink(name)
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:
         """Remove the least valuable stored prefixes until the chunk files fit ``budget``.
 
         Candidates are the radix-tree leaves (whole stored prefixes, or their unshared
-        tails) that are not in use: no lease reference, not matched within the grace
-        period, and not in ``protect``. The value of a leaf is the mean policy priority
-        of its K/V blocks (`TierManager.priority`: IMPRESS score, recency or access
-        count); the lowest goes first. All removals happen in one index transaction;
-        then chunk files no node references any more are deleted. A file shared with
-        nodes that stay is kept (its bytes are freed once its last node goes).
+        tails) whose file is not in use (no lease, not matched within the grace period)
+        and that are not in ``protect``. The value of a leaf is its node's policy
+        priority (`NodeValues`: IMPRESS score, recency or access count of the requests
+        that reused it); the lowest goes first. All removals happen in one index
+        transaction; then chunk files no node references any more are deleted. A file
+        shared with nodes that stay is kept (its bytes are freed once its last node
+        goes).
         """
         result = {"removed_prefixes": 0, "removed_files": 0, "freed_bytes": 0}
         catalog = self._catalog
@@ -116,12 +145,12 @@ class StoreGC:
             return {**result, "disk_bytes": index.total_bytes(), "budget": -1}
         protected = set(protect)
         removed_files: list[FileRecord] = []
+        removed_nodes: list[int] = []
         with catalog.lock:
             catalog.refresh()
             if index.total_bytes() <= budget:
                 return {**result, "disk_bytes": index.total_bytes(), "budget": budget}
             now = self._clock()
-            values: dict[int, float] = {}
             try:
                 with index.transaction() as conn:
                     while index.total_bytes() > budget:
@@ -133,20 +162,20 @@ class StoreGC:
                                 index.total_bytes(), budget,
                             )
                             break
-                        for n in candidates:
-                            if n.id not in values:
-                                values[n.id] = self._node_value(n)
-                        victim = min(candidates, key=lambda n: (values[n.id], n.id))
+                        victim = min(candidates, key=lambda n: (self._values.sort_key(n.id), n.id))
                         catalog.remove(conn, victim)
+                        removed_nodes.append(victim.id)
                         result["removed_prefixes"] += 1
                         removed_files += catalog.drop_unreferenced_files(conn)
             except BaseException:
                 catalog.reload_tree()
                 raise
+            self._values.forget(removed_nodes)
             catalog.forget({rec.id for rec in removed_files})
-            self._unlink(removed_files)
+            for rec in removed_files:
+                self._leases.defer_unlink(rec.id, rec.name)
             result["removed_files"] = len(removed_files)
-            result["freed_bytes"] = sum(rec.nbytes for rec in removed_files)
+            result["freed_bytes"] = sum(rec.file_bytes for rec in removed_files)
             c = self.counters
             c.prefixes_evicted += result["removed_prefixes"]
             c.files_evicted += result["removed_files"]
@@ -159,19 +188,5 @@ class StoreGC:
             )
         return {**result, "disk_bytes": after, "budget": budget}
 
-    def _node_kv_keys(self, node: RadixNode) -> list[BlockKey]:
-        """K/V blocks (all layers) holding the rows of one node."""
-        units = PrefixLayout([Segment(node, len(node.tokens))], self._catalog.chunk_tokens_of).units
-        return [(u.file_id, KV, layer, u.block) for layer in range(self._layers) for u in units]
-
-    def _node_value(self, node: RadixNode) -> float:
-        try:
-            keys = self._node_kv_keys(node)
-        except CorruptBlockError:
-            return -math.inf  # its file is gone: nothing worth keeping
-        return sum(self._tiers.priority(k) for k in keys) / max(1, len(keys))
-
     def _evictable(self, node: RadixNode, protected: set[int], now: float) -> bool:
-        return not (
-            node.children or node.lock_ref > 0 or node.id in protected or self._leases.in_grace(node.id, now)
-        )
+        return not (node.children or node.id in protected or self._leases.in_use(node.file_id, now))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..index.radix import Segment
@@ -55,6 +56,9 @@ class PrefixLayout:
         self.unit_first_row = torch.tensor([u.first_row for u in units], dtype=torch.long)
         #: per unit: how many positions it holds
         self.unit_count = counts
+        #: per unit: its file and its block in that file (numpy, for the read path)
+        self.unit_files = np.array([u.file_id for u in units], dtype=np.int64)
+        self.unit_blocks = np.array([u.block for u in units], dtype=np.int64)
 
     def units_for(self, positions: torch.Tensor) -> list[int]:
         """Sorted indices of the units holding ``positions``."""

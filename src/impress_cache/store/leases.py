@@ -1,33 +1,39 @@
-"""Leases: matched prefixes that disk eviction must leave alone while requests use them.
+"""Leases: chunk files that the disk budget must not delete while requests read them.
 
-A match protects its nodes for a grace period (`MATCH_GRACE_S`, on the store's clock)
-that covers the moment between `ImpressStore.match` and `ImpressStore.lease`; a lease
-holds one reference (``lock_ref``) on every matched node until it is released.
+A request leases the files its matched prefixes live in (`PrefixLease`) until it holds
+every row it needs; a match also protects its files for a grace period (`MATCH_GRACE_S`
+of the store's clock) that covers the moment between `ImpressStore.match` and
+`ImpressStore.lease`. Leases are per file, not per radix node: a node may be replaced by
+a split or removed from the tree while a request reads it (the request keeps its
+segments, which stay valid), but its file is unlinked only once no lease holds it
+(`defer_unlink`). Another process deleting a file this one reads is harmless once the
+file is open: the open descriptor keeps its data readable.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from ..index.radix import Match
-from .catalog import Catalog
 
-#: seconds after a match during which disk eviction leaves the matched nodes alone
+#: seconds after a match during which the disk budget leaves the matched files alone
 MATCH_GRACE_S = 5.0
 
 
 class PrefixLease:
-    """Protects the radix nodes of matched prefixes from disk eviction until released.
+    """Protects the chunk files of matched prefixes from disk eviction until released.
 
     Returned by `ImpressStore.lease`. `release` (or garbage collection of the lease)
     drops the references; calling it twice is harmless.
     """
 
-    def __init__(self, table: LeaseTable, node_ids: Sequence[int]) -> None:
-        #: ids of the nodes whose ``lock_ref`` this lease holds (one reference each)
-        self.node_ids = tuple(node_ids)
-        self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.node_ids)
+    def __init__(self, table: LeaseTable, file_ids: Sequence[int]) -> None:
+        #: the files this lease holds (one reference each)
+        self.file_ids = tuple(file_ids)
+        self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.file_ids)
 
     @property
     def active(self) -> bool:
@@ -45,48 +51,70 @@ class PrefixLease:
         self.release()
 
 
-def _release(table_ref: Callable[[], LeaseTable | None], node_ids: tuple[int, ...]) -> None:
+def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ...]) -> None:
     table = table_ref()
     if table is not None:
-        table.unlock(node_ids)
+        table.release(file_ids)
 
 
 class LeaseTable:
-    """Match grace periods and lease references of one store."""
+    """Lease references and match grace periods of one store, by file."""
 
-    def __init__(self, catalog: Catalog, clock: Callable[[], float], grace_s: float | None = None) -> None:
-        self._catalog = catalog
+    def __init__(
+        self, clock: Callable[[], float], unlink: Callable[[str], None], grace_s: float | None = None
+    ) -> None:
         self._clock = clock
+        self._unlink = unlink
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
+        self._lock = threading.Lock()
+        self._held: Counter[int] = Counter()
         self._matched_at: dict[int, float] = {}
+        self._doomed: dict[int, str] = {}
 
     def note(self, match: Match) -> None:
-        """Start the grace period of a match's nodes (call under the catalog lock)."""
+        """Start the grace period of a match's files."""
         now = self._clock()
-        if len(self._matched_at) > 4 * len(self._catalog.tree) + 1024:
-            self._matched_at = {k: t for k, t in self._matched_at.items() if now - t < self.grace_s}
-        for seg in match.segments:
-            self._matched_at[seg.node.id] = now
+        with self._lock:
+            if len(self._matched_at) > 4096:
+                self._matched_at = {k: t for k, t in self._matched_at.items() if now - t < self.grace_s}
+            for seg in match.segments:
+                self._matched_at[seg.file_id] = now
 
-    def in_grace(self, node_id: int, now: float) -> bool:
-        return now - self._matched_at.get(node_id, -float("inf")) < self.grace_s
+    def in_use(self, file_id: int, now: float) -> bool:
+        """Leased, or matched within the grace period."""
+        with self._lock:
+            return self._held[file_id] > 0 or now - self._matched_at.get(file_id, -float("inf")) < self.grace_s
+
+    def held(self) -> dict[int, int]:
+        with self._lock:
+            return {k: v for k, v in self._held.items() if v > 0}
 
     def lease(self, matches: Iterable[Match]) -> PrefixLease:
-        """One reference on every node of every match (nodes removed meanwhile are skipped)."""
-        ids: list[int] = []
-        with self._catalog.lock:
-            for m in matches:
-                for seg in m.segments:
-                    node = self._catalog.node(seg.node.id)
-                    if node is not None:
-                        node.lock_ref += 1
-                        ids.append(node.id)
+        """One reference on every file of every match."""
+        ids = [seg.file_id for m in matches for seg in m.segments]
+        with self._lock:
+            self._held.update(ids)
         return PrefixLease(self, ids)
 
-    def unlock(self, node_ids: Iterable[int]) -> None:
-        with self._catalog.lock:
-            for node_id in node_ids:
-                node = self._catalog.node(node_id)
-                if node is not None:
-                    node.lock_ref = max(0, node.lock_ref - 1)
+    def release(self, file_ids: Iterable[int]) -> None:
+        unlink = []
+        with self._lock:
+            for fid in file_ids:
+                self._held[fid] -= 1
+                if self._held[fid] <= 0:
+                    del self._held[fid]
+                    if fid in self._doomed:
+                        unlink.append(self._doomed.pop(fid))
+        for name in unlink:
+            self._unlink(name)
+
+    def defer_unlink(self, file_id: int, name: str) -> bool:
+        """Unlink a file now, or when its last lease goes; True if it was deferred."""
+        with self._lock:
+            if self._held[file_id] > 0:
+                self._doomed[file_id] = name
+                return True
+            self._held.pop(file_id, None)
+        self._unlink(name)
+        return False

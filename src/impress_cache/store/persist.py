@@ -1,9 +1,11 @@
-"""Block statistics that survive restarts (the memory tiers' cold start).
+"""Statistics that survive restarts: the memory tiers' block statistics (their cold start)
+and the nodes' access statistics (the disk budget's values).
 
-Every block a request accesses is marked; the marked blocks' policy statistics are
-written to the index on `flush`, on `close` and, while requests run, at most every
-``stats_interval_s`` seconds on the writer thread. Opening the store installs them again,
-with their ages extended by the time the store was closed.
+Every block a request accesses through the memory tiers is marked, and so is every node
+it reuses; the marked statistics are written to the index on `flush`, on `close` and,
+while requests run, at most every ``stats_interval_s`` seconds on the writer thread.
+Opening the store installs them again, with their ages extended by the time the store
+was closed.
 """
 
 from __future__ import annotations
@@ -17,22 +19,43 @@ from typing import Any
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
 from ..tiers import TierManager
+from .values import NodeValues
 
 log = logging.getLogger(__name__)
 
 
-class BlockStatsKeeper:
-    """Tracks which blocks' statistics changed and saves them."""
+def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
+    """Saved records (``saved_at`` wall-clock seconds, ``age_s``) as policy records on a
+    clock reading ``now``: the time the store was closed counts as idle time."""
+    wall = time.time()
+    out: dict[Any, dict[str, Any]] = {}
+    for key, rec in rows:
+        down = max(0.0, wall - float(rec["saved_at"]))
+        out[key] = {
+            "count": rec["count"],
+            "freq": rec["freq"],
+            "share": min(1.0, max(0.0, float(rec["share"]))),
+            "seq": rec["seq"],
+            "freq_time": now - down,
+            "last_access": now - down - float(rec["age_s"]),
+        }
+    return out
+
+
+class StatsKeeper:
+    """Tracks which statistics changed and saves them."""
 
     def __init__(
         self,
         index: Index,
         tiers: TierManager,
+        nodes: NodeValues,
         interval_s: float | None,
         background: Callable[[Callable[[], Any]], None],
     ) -> None:
         self._index = index
         self._tiers = tiers
+        self._nodes = nodes
         self._interval = interval_s
         self._background = background
         self._lock = threading.Lock()
@@ -44,6 +67,9 @@ class BlockStatsKeeper:
         """Note accessed blocks; schedule a save when the interval has passed."""
         with self._lock:
             self._dirty.update(keys)
+        self.maybe_save()
+
+    def maybe_save(self) -> None:
         if self._interval is None or self.closed or self._tiers.now() - self._saved_at < self._interval:
             return
         self._saved_at = self._tiers.now()
@@ -54,42 +80,26 @@ class BlockStatsKeeper:
             self._dirty = {k for k in self._dirty if k[0] not in file_ids}
 
     def save(self) -> int:
-        """Write the statistics of the blocks accessed since the last save to the index.
-
-        Each record holds the access count, the (decayed) frequency, the importance
-        share, the age of the last access and the access sequence number. Returns the
-        number of block records written.
-        """
+        """Write the statistics changed since the last save to the index; returns the
+        number of block records written (node records are written too)."""
         with self._lock:
             self._saved_at = self._tiers.now()
-            if not self._dirty or self.closed:
+            if self.closed:
                 return 0
             dirty, self._dirty = self._dirty, set()
-        records = self._tiers.export_stats(dirty)
-        return self._index.save_block_stats(records, time.time())
+        saved_at = time.time()
+        self._index.save_node_stats(self._nodes.export(), saved_at)
+        return self._index.save_block_stats(self._tiers.export_stats(dirty), saved_at) if dirty else 0
 
     def _save_quietly(self) -> None:
         try:
             self.save()
         except Exception:
-            log.warning("saving block statistics failed; they will be saved on the next flush", exc_info=True)
+            log.warning("saving statistics failed; they will be saved on the next flush", exc_info=True)
 
     def load(self) -> int:
-        """Install the saved block statistics in the policy (ages include the downtime)."""
-        rows = self._index.load_block_stats()
-        if not rows:
-            return 0
+        """Install the saved statistics; returns the number of block records."""
         now = self._tiers.now()
-        wall = time.time()
-        records: dict[BlockKey, dict[str, Any]] = {}
-        for key, rec in rows:
-            down = max(0.0, wall - float(rec["saved_at"]))
-            records[key] = {
-                "count": rec["count"],
-                "freq": rec["freq"],
-                "share": min(1.0, max(0.0, float(rec["share"]))),
-                "seq": rec["seq"],
-                "freq_time": now - down,
-                "last_access": now - down - float(rec["age_s"]),
-            }
-        return self._tiers.import_stats(records, now=None)
+        self._nodes.load(rebase(self._index.load_node_stats(), now).items())
+        rows = self._index.load_block_stats()
+        return self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..config import ImpressConfig
-from ..errors import ConfigError
-from ..index.radix import Match, RadixTree, Segment
+from ..errors import ConfigError, StoreFormatError
+from ..index.radix import Match, RadixTree, Segment, as_tokens
 from ..index.sqlite import Index
 from ..storage import FORMATS
 from ..storage.base import KV, PROBE, BlockKey
@@ -40,19 +40,21 @@ from ..storage.reader import BlockReader
 from ..tiers import TierManager
 from ..tiers.policies import make_policy
 from .binding import bind
-from .blocks import BlockIO
+from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
 from .gc import StoreGC
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
-from .persist import BlockStatsKeeper
+from .persist import StatsKeeper
+from .values import NodeValues
 from .report import build_stats
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.sqlite"
+_MAX_INDEX_REPAIRS = 8
 
 
 @dataclass
@@ -116,26 +118,31 @@ class ImpressStore:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CHUNK_DIR).mkdir(exist_ok=True)
         index = Index(self.path / INDEX_NAME)
-        self.spec, self.probe = bind(index, model, self.config, self.path)
-        if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
+        try:
+            self.spec, self.probe = bind(index, model, self.config, self.path)
+            if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
+                raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
+            row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
+            self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
+            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._values.inherit)
+        except BaseException:
             index.close()
-            raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
+            raise
         cfg = self.config
         self._closed = False
         self.device = _model_device(model)
         self.tiers = self._make_tiers()
-        self._catalog = Catalog(self.path, index, self._forget_files)
-        self._leases = LeaseTable(self._catalog, self.clock)
+        self._leases = LeaseTable(self.clock, self._catalog.unlink)
         self._reader = BlockReader(threads=cfg.io_threads)
         self._writer = PromptWriter(
             self._catalog, cfg, self.spec, self.probe, FORMATS[storage_format](fsync=cfg.fsync), self._written
         )
-        self._stats = BlockStatsKeeper(index, self.tiers, cfg.stats_interval_s, self._writer.background)
+        self._stats = StatsKeeper(index, self.tiers, self._values, cfg.stats_interval_s, self._writer.background)
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
             pin_host=torch.cuda.is_available(),
         )
-        self._gc = StoreGC(self._catalog, self._leases, self.tiers, self.spec.num_layers, self.clock)
+        self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock)
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         self._gc.remove_orphans()
@@ -145,11 +152,15 @@ class ImpressStore:
             self.path, len(self.tree), len(index.files()), loaded,
         )
 
+    def _policy_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        if cfg.policy.lower() == "score":
+            return {"half_life_s": cfg.half_life_s, "unimportant_weight": cfg.unimportant_weight}
+        return {}
+
     def _make_tiers(self) -> TierManager:
         cfg = self.config
-        kwargs: dict[str, Any] = {}
-        if cfg.policy.lower() == "score":
-            kwargs.update(half_life_s=cfg.half_life_s, unimportant_weight=cfg.unimportant_weight)
+        kwargs = self._policy_kwargs()
         device = self.device
         pin = torch.cuda.is_available()
 
@@ -195,6 +206,7 @@ class ImpressStore:
             self.save_block_stats()
             self._stats.closed = True
             self._reader.close()
+            self._catalog.close()
             self.index.close()
             self._closed = True
 
@@ -216,19 +228,33 @@ class ImpressStore:
         store's clock; take a `lease` to keep them for longer.
         """
         self._check_open()
-        with self._catalog.lock:
-            m = self._catalog.match(tokens, limit)
-            self._leases.note(m)
-            return m
+        arr = as_tokens(tokens)
+        for _ in range(_MAX_INDEX_REPAIRS):
+            with self._catalog.lock:
+                m = self._catalog.match(arr, limit)
+                bad = self._catalog.check_match(arr, m)
+                if bad is None:
+                    self._leases.note(m)
+                    return m
+            self.quarantine(*bad)
+        raise StoreFormatError(f"the index of {self.path} keeps contradicting its chunk files; run `impress-cache verify --repair`")
 
-    def lease(self, matches: Iterable[Match]) -> PrefixLease:
+    def lease(self, matches: Iterable[Match], share: float = 1.0) -> PrefixLease:
         """Protect matched prefixes from disk eviction while a request uses them.
 
-        Every node of every match gets one reference; nodes with references are never
-        removed by the disk budget. Release the returned `PrefixLease` (or drop it) when
-        the request holds what it needs.
+        Every chunk file of every match gets one reference; the disk budget never removes
+        a prefix whose file is referenced. Leasing also records one access on every
+        matched node, with ``share`` the fraction of the prefix the request loads for its
+        prefill (the nodes' value for the disk budget). Release the returned
+        `PrefixLease` (or drop it) when the request holds what it needs.
         """
+        matches = list(matches)
+        self._values.access((seg.node.id for m in matches for seg in m.segments), share)
         return self._leases.lease(matches)
+
+    def leased_files(self) -> dict[int, int]:
+        """Chunk files leased by requests of this process: ``file_id -> references``."""
+        return self._leases.held()
 
     def chunk_tokens_of(self, file_id: int) -> int:
         return self._catalog.chunk_tokens_of(file_id)
@@ -276,21 +302,35 @@ class ImpressStore:
         if tuple(keys.shape) != shape or tuple(values.shape) != shape:
             raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
         units = range(len(lay.units))
-        blocks = self.read_blocks(
-            [key for layer in range(spec.num_layers) for key in lay.keys(units, KV, layer)], decode=decode, known=known
-        )
+        blocks = self.start_layout(lay, KV, range(spec.num_layers), decode=decode, known=known).result()
         for layer in range(spec.num_layers):
             k, v = lay.gather(units, blocks, offset=layer * len(units))
             keys[layer].copy_(k)
             values[layer].copy_(v)
         return LoadedPrefix(keys, values, blocks.stats.disk_bytes, blocks.stats.disk_blocks)
 
-    def load_probes(self, layout: PrefixLayout) -> tuple[list[torch.Tensor], int]:
+    def start_layout(
+        self,
+        layout: PrefixLayout,
+        kind: int,
+        layers: Sequence[int],
+        units: Sequence[int] | None = None,
+        shares: Sequence[float | None] | None = None,
+        *,
+        decode: bool = False,
+        known: Mapping[BlockKey, torch.Tensor] | None = None,
+    ) -> PendingRead:
+        """Start reading the blocks of ``units`` of a prefix layout for ``layers`` (the disk
+        reads run in the background); see `BlockIO.start_layout`."""
+        self._check_open()
+        return self._io.start_layout(layout, kind, layers, units, shares, decode=decode, known=known)
+
+    def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
         """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""
         units = range(len(layout.units))
-        layers = range(self.spec.num_layers)
-        blocks = self.read_blocks([key for layer in layers for key in layout.keys(units, PROBE, layer)])
-        return [layout.gather_rows(units, blocks, offset=layer * len(units)) for layer in layers], blocks.stats.disk_bytes
+        layers = range(self.spec.num_layers) if layers is None else layers
+        blocks = self.start_layout(layout, PROBE, layers).result()
+        return [layout.gather_rows(units, blocks, offset=i * len(units)) for i in range(len(layers))], blocks.stats.disk_bytes
 
     # -- writes ----------------------------------------------------------------------
     def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
@@ -307,11 +347,14 @@ class ImpressStore:
         """Store a prompt's K/V and wait until it is on disk and indexed."""
         self.put_async(tokens, keys, values).result()
 
-    def _written(self, file_id: int, infos: list[Any], leaf: Any) -> None:
-        # a new block has statistics from the start (LRU: written counts as used)
-        for info in infos:
-            if info.kind == KV:
-                self.tiers.seed((file_id, KV, info.layer, info.block), 1.0)
+    def _written(self, file_id: int, blocks: int, leaf: Any) -> None:
+        # a new prefix has statistics from the start (LRU: written counts as used)
+        if leaf is not None:
+            self._values.seed(leaf.id)
+        if self.tiers.enabled:
+            for layer in range(self.spec.num_layers):
+                for b in range(blocks):
+                    self.tiers.seed((file_id, KV, layer, b), 1.0)
         if self.config.disk_bytes is not None:
             try:
                 self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))

@@ -1,14 +1,19 @@
 """The write path: a prompt's K/V to a new chunk file and the index, on one background thread.
 
 For each prompt the writer keeps only the rows after the part already stored, cuts them
-into blocks of ``chunk_tokens`` rows per layer, encodes the probe-key copy, writes a new
-chunk file under a temporary name, fsyncs it, renames it, fsyncs the directory and only
-then commits the file, its blocks and the radix nodes in one index transaction. If the
-transaction fails, the in-memory tree is reloaded from the index and the file is removed.
+into blocks of ``chunk_tokens`` rows per layer, encodes the probe-key copy, checksums
+every block with a seed that binds it to this file, these tokens and its place
+(`storage.base.block_seeds`), writes a new chunk file under a temporary name whose
+header describes it completely (tokens, positions, checksums, model), fsyncs it, renames
+it, fsyncs the directory and only then commits the file and the radix nodes in one index
+transaction. The in-memory tree changes only after that commit; if anything fails, the
+file is removed and the store is as it was.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import time
@@ -18,17 +23,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import probe as probe_codec
 from ..config import ImpressConfig
-from ..index.radix import RadixNode
+from ..index.radix import RadixNode, as_tokens
+from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
-from ..storage.base import PROBE, BlockData, BlockInfo, ChunkFormat, checksum, fsync_path, iter_blocks, tensor_bytes
+from ..storage.base import KV, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
 from .binding import ProbeSpec
 from .catalog import Catalog
 
 log = logging.getLogger(__name__)
+
+#: version of the chunk-file header written by this module
+FILE_FORMAT = "3"
 
 
 @dataclass
@@ -41,8 +51,12 @@ class WriteCounters:
     write_seconds: float = 0.0
 
 
-#: called after a commit with the new file's id, its blocks and the new leaf
-OnWritten = Callable[[int, list[BlockInfo], RadixNode | None], None]
+#: called after a commit with the new file's id, its blocks per layer and the new leaf
+OnWritten = Callable[[int, int, RadixNode | None], None]
+
+
+def _b64(a: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode()
 
 
 class PromptWriter:
@@ -68,9 +82,9 @@ class PromptWriter:
         self.counters = WriteCounters()
 
     def submit(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
-        tokens = tuple(int(t) for t in tokens)
-        check_kv(self._spec, tokens, keys, values)
-        fut = self._pool.submit(self._write_logged, tokens, keys, values)
+        arr = as_tokens(tokens).copy()
+        check_kv(self._spec, len(arr), keys, values)
+        fut = self._pool.submit(self._write_logged, arr, keys, values)
         with self._catalog.lock:
             # finished writes are dropped unless they failed: flush() re-raises those
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
@@ -97,108 +111,106 @@ class PromptWriter:
         self._pool.shutdown(wait=True)
 
     # -- one prompt ------------------------------------------------------------------
-    def _write_logged(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def _write_logged(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         try:
             self.write(tokens, keys, values)
         except Exception:
             log.exception("storing a prompt of %d tokens failed; the store is unchanged", len(tokens))
             raise
 
-    def write(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def write(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
         catalog = self._catalog
         m = catalog.match(tokens).length
         if m == len(tokens):
-            self._commit(tokens, None, None, m)
+            catalog.commit_prompt(tokens, m, None)
             return
-        dtype = self._spec.torch_kv_dtype
-        ks = [k[:, m:].to("cpu", dtype) for k in keys]
-        vs = [v[:, m:].to("cpu", dtype) for v in values]
-        ct = self._config.chunk_tokens
-        blocks = list(iter_blocks(ks, vs, ct))
-        # each layer's probe copy is one contiguous tensor (no per-block alignment gaps),
-        # indexed in chunk_tokens pieces so that each piece has its own checksum
-        probes = [probe_codec.encode(k[list(self._probe.kv_heads)], self._probe.encoding) for k in ks]
-        for layer, raw in enumerate(probes):
-            blocks.append(BlockData(PROBE, layer, -1, raw.shape[0], torch.uint8, tuple(raw.shape), tensor_bytes(raw)))
-        name = f"{uuid.uuid4().hex}.{self._fmt.suffix}"
-        final = catalog.chunks / name
-        tmp = final.with_name(name + ".tmp")
-        meta = {"tokens_from": str(m), "n_tokens": str(len(tokens) - m), "chunk_tokens": str(ct)}
+        new_file, final = self._write_file(tokens, m, keys, values)
         try:
-            infos = split_probe_infos(self._fmt.write(tmp, blocks, meta), probes, ct)
-            os.replace(tmp, final)
-            if self._config.fsync:
-                fsync_path(final.parent)
+            done = catalog.commit_prompt(tokens, m, new_file)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            catalog.unlink(final)
             raise
-        done = self._commit(tokens, (name, infos), final, m)
-        if done is None:
+        if done is None:  # stored meanwhile by another writer, or its prefix was removed
+            catalog.unlink(final)
             return
         file_id, leaf = done
         c = self.counters
         c.prompts_written += 1
         c.tokens_written += len(tokens) - m
-        c.bytes_written += sum(i.nbytes for i in infos)
+        c.bytes_written += new_file.file_bytes
         c.write_seconds += time.perf_counter() - t0
-        self._on_written(file_id, infos, leaf)
+        self._on_written(file_id, new_file.offsets.shape[2], leaf)
 
-    def _commit(
-        self, tokens: tuple[int, ...], new_file: tuple[str, list[BlockInfo]] | None, final: Any, m: int
-    ) -> tuple[int, RadixNode | None] | None:
-        """Index the prompt in one transaction; returns ``(file_id, leaf)`` when the new
-        file was committed, ``None`` when it was not needed (and is removed)."""
+    def _write_file(
+        self, tokens: np.ndarray, m: int, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> tuple[NewFile, str]:
+        """Write the rows from position ``m`` on to a new chunk file; returns its index
+        record and its name (already renamed into place)."""
+        spec, ct = self._spec, self._config.chunk_tokens
+        dtype = spec.torch_kv_dtype
+        ks = [k[:, m:].to("cpu", dtype) for k in keys]
+        vs = [v[:, m:].to("cpu", dtype) for v in values]
+        rows = tokens[m:]
+        n, layers = len(rows), spec.num_layers
+        nb = -(-n // ct)
+        file_uuid = uuid.uuid4()
+        context = context_digest(tokens[:m])
+        seeds = block_seeds(
+            file_seed(file_uuid.bytes, context, m, rows), *np.indices((2, layers, nb))
+        )
+        checksums = np.zeros((2, layers, nb), dtype=np.uint32)
+        blocks = list(iter_blocks(ks, vs, ct))
+        for blk in blocks:
+            checksums[KV, blk.layer, blk.block] = checksum(blk.payload, int(seeds[KV, blk.layer, blk.block]))
+        # each layer's probe copy is one contiguous tensor (no per-block alignment gaps),
+        # addressed in chunk_tokens-row pieces so that each piece has its own checksum
+        probes = [probe_codec.encode(k[list(self._probe.kv_heads)], self._probe.encoding) for k in ks]
+        for layer, raw in enumerate(probes):
+            for b in range(nb):
+                piece = tensor_bytes(raw[b * ct : (b + 1) * ct])
+                checksums[PROBE, layer, b] = checksum(piece, int(seeds[PROBE, layer, b]))
+            blocks.append(BlockData(PROBE, layer, -1, raw.shape[0], torch.uint8, tuple(raw.shape), tensor_bytes(raw)))
+        name = f"{file_uuid.hex}.{self._fmt.suffix}"
+        meta = {
+            "impress_cache": FILE_FORMAT,
+            "uuid": file_uuid.hex,
+            "model": json.dumps(spec.to_dict(), sort_keys=True),
+            "probe": json.dumps({"kv_heads": list(self._probe.kv_heads), "encoding": self._probe.encoding}),
+            "first_pos": str(m),
+            "n_tokens": str(n),
+            "chunk_tokens": str(ct),
+            "layers": str(layers),
+            "tokens": _b64(tokens, "<i4"),
+            "checksums": _b64(checksums, "<u4"),
+        }
         catalog = self._catalog
-        with catalog.lock:
-            try:
-                with catalog.index.transaction() as conn:
-                    catalog.refresh()
-                    m2 = catalog.tree.match(tokens).length
-                    if new_file is not None and m2 < m:
-                        # part of the prefix we matched was deleted meanwhile: our file lacks those rows
-                        log.warning("prefix changed while writing; dropping a %d-token write", len(tokens) - m)
-                        final.unlink(missing_ok=True)
-                        return None
-                    if new_file is None or m2 == len(tokens):
-                        if final is not None:
-                            final.unlink(missing_ok=True)
-                        catalog.insert(conn, tokens, file_id=-1)
-                        return None
-                    name, infos = new_file
-                    file_id = catalog.index.add_file(
-                        conn, name, self._fmt.suffix, len(tokens) - m, self._config.chunk_tokens, infos
-                    )
-                    leaf = catalog.insert(conn, tokens, file_id, file_row_of_first_new=m2 - m)
-            except BaseException:
-                catalog.reload_tree()
-                if final is not None:
-                    final.unlink(missing_ok=True)
-                raise
-        return file_id, leaf
+        tmp = name + ".tmp"
+        try:
+            placed = self._fmt.write(catalog.chunks / tmp, blocks, meta)
+            offsets = np.zeros((2, layers, nb), dtype=np.int64)
+            for blk, off in zip(blocks, placed):
+                if blk.kind == KV:
+                    offsets[KV, blk.layer, blk.block] = off
+                else:
+                    offsets[PROBE, blk.layer] = off + np.arange(nb) * ct * self._probe.record_bytes
+            file_bytes = os.stat(tmp, dir_fd=catalog.chunks_fd).st_size
+            os.replace(tmp, name, src_dir_fd=catalog.chunks_fd, dst_dir_fd=catalog.chunks_fd)
+            if self._config.fsync:
+                os.fsync(catalog.chunks_fd)
+        except BaseException:
+            catalog.unlink(tmp)
+            raise
+        nbytes = sum(b.nbytes for b in blocks)
+        return NewFile(name, self._fmt.suffix, m, rows, context, ct, layers, offsets, checksums, nbytes, file_bytes), name
 
 
-def check_kv(spec: ModelSpec, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+def check_kv(spec: ModelSpec, n_tokens: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     """Raise ``ValueError`` unless keys and values have one ``[kv_heads, tokens, head_dim]``
     tensor per layer."""
     if len(keys) != spec.num_layers or len(values) != spec.num_layers:
         raise ValueError(f"expected K/V for {spec.num_layers} layers, got {len(keys)} and {len(values)}")
-    want = (spec.num_kv_heads, len(tokens), spec.head_dim)
+    want = (spec.num_kv_heads, n_tokens, spec.head_dim)
     for i, (k, v) in enumerate(zip(keys, values)):
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"layer {i}: expected K/V of shape {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
-
-
-def split_probe_infos(infos: list[BlockInfo], probes: list[torch.Tensor], chunk_tokens: int) -> list[BlockInfo]:
-    """Index each layer's probe tensor in ``chunk_tokens``-row pieces, one checksum each."""
-    out = [i for i in infos if i.kind != PROBE]
-    for info in (i for i in infos if i.kind == PROBE):
-        raw = probes[info.layer]
-        rec = raw.shape[1]
-        for b, start in enumerate(range(0, raw.shape[0], chunk_tokens)):
-            part = raw[start : start + chunk_tokens]
-            out.append(
-                BlockInfo(PROBE, info.layer, b, part.shape[0], info.offset + start * rec, part.numel(), checksum(tensor_bytes(part)))
-            )
-    return out
-

@@ -19,7 +19,7 @@ Each tier's budget is split among the importance classes ``high``, ``medium`` an
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from ..validate import IMPORTANCE_CLASSES
 from .heaps import TIERS, HeapItem, Resident, TierHeaps
@@ -47,6 +47,23 @@ class TierSpace:
 
     def blocks(self, tier: str) -> int:
         return sum(self.class_count[tier].values())
+
+    def check(self, heaps: TierHeaps, entries: Iterable[Resident]) -> None:
+        """Assert that the accounting matches the resident blocks and that every resident
+        block has a live heap item (for tests)."""
+        entries = list(entries)
+        for tier in TIERS:
+            in_tier = [e for e in entries if e.tier == tier]
+            used = sum(e.nbytes for e in in_tier)
+            assert used == self.used[tier], (tier, used, self.used[tier])
+            assert used <= self.budget[tier], (tier, used, self.budget[tier])
+            for c in IMPORTANCE_CLASSES:
+                of_c = [e for e in in_tier if e.cls == c]
+                assert sum(e.nbytes for e in of_c) == self.class_used[tier][c]
+                assert len(of_c) == self.class_count[tier][c]
+                live = heaps.live_keys(tier, c)
+                for e in of_c:
+                    assert e.key in live, e.key
 
     def plan(
         self,

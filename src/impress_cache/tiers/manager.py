@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ConfigError, ImpressError
-from ..validate import IMPORTANCE_CLASSES, check_class_shares, check_int
+from ..validate import check_class_shares, check_int
 from .budget import TierSpace
 from .counters import TierCounters
 from .heaps import DEVICE, HOST, TIERS, Resident, TierHeaps
@@ -527,16 +527,4 @@ class TierManager:
     def _check_invariants(self) -> None:
         """Assert internal consistency (for tests); raises AssertionError."""
         with self._lock:
-            space = self._space
-            for tier in TIERS:
-                entries = [e for e in self._where.values() if e.tier == tier]
-                used = sum(e.nbytes for e in entries)
-                assert used == space.used[tier], (tier, used, space.used[tier])
-                assert used <= space.budget[tier], (tier, used, space.budget[tier])
-                for c in IMPORTANCE_CLASSES:
-                    of_c = [e for e in entries if e.cls == c]
-                    assert sum(e.nbytes for e in of_c) == space.class_used[tier][c]
-                    assert len(of_c) == space.class_count[tier][c]
-                    live = self._heaps.live_keys(tier, c)
-                    for e in of_c:
-                        assert e.key in live, e.key
+            self._space.check(self._heaps, self._where.values())
