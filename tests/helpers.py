@@ -59,17 +59,5 @@ def store_dense(path, model, doc: torch.Tensor, config=None, new_tokens=8) -> No
 
 
 def blockset_of(layout, units, keys: torch.Tensor, values: torch.Tensor) -> BlockSet:
-    """The K/V blocks of ``units`` cut from in-memory ``[H, P, D]`` keys and values, as the
-    store's read path returns them (one slot per unit, rows at the start of each slot)."""
-    ct = max(layout.units[u].first_row + layout.units[u].count for u in units)
-    h, _, d = keys.shape
-    pool = torch.zeros(len(units), 2, h, ct, d, dtype=keys.dtype)
-    rows = []
-    for slot, u in enumerate(units):
-        unit = layout.units[u]
-        sl = slice(unit.start, unit.start + unit.count)
-        r = unit.first_row
-        pool[slot, 0, :, r : r + unit.count] = keys[:, sl]
-        pool[slot, 1, :, r : r + unit.count] = values[:, sl]
-        rows.append(r + unit.count)
-    return BlockSet(KV, pool, rows, list(range(len(units))))
+    """The K/V blocks of ``units`` cut from in-memory ``[H, P, D]`` keys and values."""
+    return layout.blocks_from(keys, values, list(units))

@@ -98,6 +98,12 @@ class ImpressConfig:
         total while the important rows still come first. The default 0.1 read 13 %
         fewer bytes than 0 in the workload benchmark for 1 % more before the first
         token (docs: Memory tiers).
+    prefetch:
+        Sparse prefills only: once a layer has chosen its blocks, start reading the same
+        blocks of the next layer (adjacent layers select largely the same ones), so that
+        the next layer finds most of its rows read; what it chose besides is read then.
+        Blocks read this way but not chosen count as invalid I/O (and, with
+        ``decode="full"``, are not read again for decoding).
     stats_interval_s:
         Block statistics (frequency, importance share, last access) are written to the
         index on `flush`, on `close` and, while requests run, at most every
@@ -126,6 +132,7 @@ class ImpressConfig:
     half_life_s: float | None = 600.0
     unimportant_weight: float = DEFAULT_UNIMPORTANT_WEIGHT
     stats_interval_s: float | None = 60.0
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
@@ -140,8 +147,9 @@ class ImpressConfig:
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
         check_int("io_threads", self.io_threads, 1, 256)
-        if not isinstance(self.fsync, bool):
-            raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
+        for name in ("fsync", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("device_bytes", self.device_bytes, 0)
         check_int("host_bytes", self.host_bytes, 0)
         if self.disk_bytes is not None:

@@ -34,6 +34,17 @@ class RequestStats:
     read from disk for the prefill that no attention head attends to (from each block's
     share of selected rows), and ``invalid_io_ratio`` its share of those blocks' bytes
     (the same definition as ``store.stats()["invalid_io_ratio"]``).
+
+    Where the time to the first token goes (seconds): ``load_seconds`` building the cache
+    (of which ``match_seconds`` matching and leasing); during the prefill,
+    ``probe_seconds`` waiting for the probe-key copies, ``select_seconds`` scoring and
+    choosing rows, ``io_wait_seconds`` waiting for K/V blocks (reads run in the
+    background, layer by layer: only the part the model had to wait for counts), and
+    ``prefill_seconds`` the whole prefill forward (the model's own compute is what is
+    left after the three waits). ``prefetch_hit_rate`` is, for sparse prefills, the
+    share of a layer's selected blocks that were already being read because the
+    previous layer selected them; ``recomputed_layers`` counts layers whose prefix rows
+    came from recomputing the prefix after a damaged block was found mid-prefill.
     """
 
     matched_tokens: int = 0
@@ -50,6 +61,13 @@ class RequestStats:
     bytes_read_decode: int = 0
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0
+    match_seconds: float = 0.0
+    probe_seconds: float = 0.0
+    select_seconds: float = 0.0
+    io_wait_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    prefetch_hit_rate: float = 0.0
+    recomputed_layers: int = 0
     layer_similarity: list[float] = field(default_factory=list)
     layer_threshold: list[float] = field(default_factory=list)
     fallback_layers: list[int] = field(default_factory=list)

@@ -124,9 +124,9 @@ def test_full_decode_reads_the_rest_after_prefill(tmp_path):
         assert cache.get_seq_length() == q.shape[1] + 3
 
 
-def test_damaged_probe_copy_is_quarantined_and_output_stays_exact(tmp_path):
-    """The probe copies are verified before generate starts: a damaged one falls back
-    to computing the prompt, like a damaged K/V block does for dense reuse."""
+def test_damaged_probe_copy_is_quarantined_and_the_prefix_recomputed(tmp_path):
+    """Probe copies are read during the prefill: a damaged one is quarantined and the
+    remaining layers select their rows from the prefix recomputed on the side."""
     from impress_cache.storage.base import PROBE
     from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
 
@@ -142,7 +142,14 @@ def test_damaged_probe_copy_is_quarantined_and_output_stays_exact(tmp_path):
     f.write_bytes(bytes(raw))
     q = torch.cat([doc, _tok(10, 8)]).unsqueeze(0)
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=0.25)) as store:
-        cache = assert_same_as_uncached(model, store, q)
+        cache = ImpressCache(store, q)
+        out, _ = run(model, q, cache=cache)
+        assert out.shape == (1, q.shape[1] + 8)
         assert cache.stats.quarantined_files == 1
-        assert cache.stats.matched_tokens == 0 and cache.stats.computed_tokens == q.shape[1]
+        assert cache.stats.recomputed_layers >= 1  # layer 1 on: rows from the recomputed prefix
+        assert store.match(q[0].tolist()).length == 0  # the damaged prefix is gone
     assert (tmp_path / QUARANTINE_DIR / f.name).exists()
+    # a dense request now computes the prompt and gives the exact output
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
+        again = assert_same_as_uncached(model, store, q)
+        assert again.stats.matched_tokens == 0

@@ -84,13 +84,14 @@ def test_damaged_chunk_file_is_quarantined_and_output_stays_exact(tmp_path, dama
     else:
         f.unlink()
     with ImpressStore(tmp_path, model, CFG) as store:
-        cache = assert_same_as_uncached(model, store, doc)
+        cache = assert_same_as_uncached(model, store, doc)  # exact: the prefix was recomputed on the side
         assert cache.stats.quarantined_files == 1
-        assert cache.stats.matched_tokens == 0 and cache.stats.computed_tokens == doc.shape[1]
+        assert cache.stats.recomputed_layers >= 1  # from the layer where the damage was found
         assert "quarantined" in caplog.text
+        assert store.match(doc[0].tolist()).length == doc.shape[1]  # stored again by that request
         if damage != "delete":
             assert (tmp_path / QUARANTINE_DIR / f.name).exists()
-        # the request stored a fresh copy, which the next request reuses
+        # the fresh copy serves the next request
         again = assert_same_as_uncached(model, store, doc)
         assert again.stats.matched_tokens == doc.shape[1] - 1
 
@@ -104,10 +105,14 @@ def test_damage_in_a_later_node_keeps_the_earlier_part(tmp_path):
         assert_same_as_uncached(model, store, longer)
     newest = max(_chunk_files(tmp_path), key=lambda p: p.stat().st_mtime_ns)
     _flip_in_first_kv_block(newest)
+    first = min(_chunk_files(tmp_path), key=lambda p: p.stat().st_mtime_ns)
     with ImpressStore(tmp_path, model, CFG) as store:
         cache = assert_same_as_uncached(model, store, longer)
-        assert cache.stats.quarantined_files == 1
-        assert cache.stats.matched_tokens == 64  # the undamaged first prompt still serves
+        assert cache.stats.quarantined_files == 1 and cache.stats.recomputed_layers == 2
+        assert first.exists() and not newest.exists()  # only the damaged file went
+        assert (tmp_path / QUARANTINE_DIR / newest.name).exists()
+        # the undamaged first prompt still serves
+        assert store.match(torch.cat([doc, _doc(3, 5)], dim=1)[0].tolist()).length == 64
 
 
 # -- crashes ----------------------------------------------------------------------------

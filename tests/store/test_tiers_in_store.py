@@ -366,15 +366,15 @@ def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, ca
 
 @pytest.mark.parametrize("ratio, decode", [(1.0, "full"), (0.25, "keep"), (0.25, "full")])
 def test_a_cache_holds_its_prefix_only_while_it_needs_the_disk(tmp_path, model, ratio, decode):
-    """Dense reuse loads at construction; a sparse prefill reads during the forward and,
-    with decode="full", the rest after it: the lease lasts exactly that long."""
+    """Reads run during the prefill and, for a sparse prefill with decode="full", the rest
+    of the prefix after it: the lease lasts exactly that long."""
     doc = _tok(80, 128)
     store_dense(tmp_path, model, doc, _cfg(), new_tokens=3)
     q = torch.cat([doc, _tok(81, 6)], dim=1)
     with ImpressStore(tmp_path, model, _cfg(important_ratio=ratio, decode=decode, similarity_threshold=0.0)) as store:
         files = {seg.file_id for seg in store.match(q[0].tolist()).segments}
         cache = ImpressCache(store, q, store_prompt=False)
-        assert store.leased_files() == ({} if ratio == 1.0 else {f: 1 for f in files})
+        assert store.leased_files() == {f: 1 for f in files}
         run(model, q, cache=cache, new_tokens=3)  # prefill, then decode steps
         assert store.leased_files() == {}
         assert cache.get_seq_length() == q.shape[1] + 2

@@ -18,6 +18,7 @@ attention mask hides.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -32,26 +33,52 @@ from .request import PrefixRequest
 
 
 class ImpressLayer(DynamicLayer):
-    """A dynamic cache layer that starts with stored prefix rows."""
+    """A dynamic cache layer that starts with stored prefix rows.
 
-    def __init__(
-        self, prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None, prefix_len: int, hidden: int = 0
-    ) -> None:
+    Before its first ``update`` the layer only knows its prefix length; the request then
+    hands it a buffer (`place`) holding its prefix rows plus room for the new tokens, so
+    the first ``update`` copies only the new rows (no concatenation of the prefix).
+    """
+
+    def __init__(self, prefix_len: int, hidden: int = 0) -> None:
         super().__init__()
-        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = (
-            (prefix_keys, prefix_values) if prefix_keys is not None and prefix_len > 0 else None
-        )
         self._prefix_len = prefix_len
+        #: ``([2, batch, kv_heads, held + room, head_dim], held)`` until the first update
+        self._buffer: tuple[torch.Tensor, int] | None = None
         #: prefix rows that are not held (sparse prefill): key index j is position j + hidden
         self.hidden = hidden
 
+    def place(self, buf: torch.Tensor, held: int) -> None:
+        """The prefix rows to start with (``buf[:, :, :, :held]``)."""
+        self._buffer = (buf, held)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized and self._buffer is not None:
+            buf, held = self._buffer
+            n = key_states.shape[-2]
+            if (
+                buf.shape[3] == held + n
+                and buf.shape[1] == key_states.shape[0]
+                and buf.device == key_states.device
+                and buf.dtype == key_states.dtype == value_states.dtype
+            ):
+                self._buffer = None
+                super().lazy_initialization(key_states, value_states)
+                buf[0, :, :, held:].copy_(key_states)
+                buf[1, :, :, held:].copy_(value_states)
+                self.keys, self.values = buf[0], buf[1]
+                return self.keys, self.values
+        return super().update(key_states, value_states, *args, **kwargs)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        if self._prefix is not None:
-            k, v = self._prefix
-            self.keys = k.to(key_states.device, key_states.dtype)
-            self.values = v.to(value_states.device, value_states.dtype)
-        self._prefix = None
+        if self._buffer is not None:  # the buffer's room does not fit: start from its prefix rows
+            buf, held = self._buffer
+            self.keys = buf[0, :, :, :held].to(key_states.device, key_states.dtype)
+            self.values = buf[1, :, :, :held].to(value_states.device, value_states.dtype)
+        self._buffer = None
 
     def get_seq_length(self) -> int:
         """Logical length: prefix plus everything after it, held or not."""
@@ -75,18 +102,13 @@ class ImpressLayer(DynamicLayer):
         super().crop(tokens_to_remove)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self._prefix is not None:
-            k, v = self._prefix
-            self._prefix = (k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0))
         if self.is_initialized:
             super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._prefix is not None:
-            k, v = self._prefix
-            self._prefix = (k[indices], v[indices])
-        if self.is_initialized:
-            super().batch_select_indices(indices)
+        if not self.is_initialized:
+            raise CacheUsageError("ImpressCache cannot select batch rows before the prefill")
+        super().batch_select_indices(indices)
 
 
 class ImpressCache(Cache):
@@ -126,16 +148,8 @@ class ImpressCache(Cache):
         self._guard = PromptGuard(self._request)
         self._written = False
         req = self._request
-        sparse = req.sparse
-        hidden = req.reused - sparse.k if sparse is not None else 0
-        prefix = req.prefix
-        layers = [
-            ImpressLayer(
-                None if prefix is None else prefix[0][i], None if prefix is None else prefix[1][i], req.reused, hidden
-            )
-            for i in range(store.spec.num_layers)
-        ]
-        super().__init__(layers=layers)
+        hidden = req.reused - req.sparse.k if req.sparse is not None else 0
+        super().__init__(layers=[ImpressLayer(req.reused, hidden) for _ in range(store.spec.num_layers)])
         install_hooks(store.model, ImpressCache)
 
     # -- what users read ---------------------------------------------------------------
@@ -175,6 +189,8 @@ class ImpressCache(Cache):
 
     def check_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """Before every model forward that uses this cache."""
+        if self._request.prefill_started is None:
+            self._request.prefill_started = time.perf_counter()
         if self._guard.check_forward(input_ids, attention_mask, self.expand) and self._request.full_pending:
             keys, values = self._request.take_full_prefix()
             for i, layer in enumerate(self.layers):
@@ -185,9 +201,9 @@ class ImpressCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
-        sparse = self._request.sparse
-        if sparse is not None and not layer.is_initialized:
-            layer._prefix = sparse.select(layer_idx, key_states)
+        req = self._request
+        if not layer.is_initialized and req.reused > 0:
+            layer.place(*req.prefix_for(layer_idx, key_states))
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (
             not self._written
@@ -195,10 +211,7 @@ class ImpressCache(Cache):
             and layer.get_seq_length() >= self._guard.ids.shape[1]
         ):
             self._written = True
-            if sparse is not None:
-                self._request.finish_sparse_prefill()
-            elif self.store_prompt:
-                self._request.store_prompt([la.keys for la in self.layers], [la.values for la in self.layers])
+            req.finish_prefill([la.keys for la in self.layers], [la.values for la in self.layers], self.store_prompt)
         return keys, values
 
     def expand(self, repeats: int) -> None:

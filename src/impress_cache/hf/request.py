@@ -4,13 +4,15 @@ Every batch row is matched (at most ``len - 1`` tokens, since ``generate`` must 
 one token), the matched prefixes are leased, and all rows reuse the same number of
 columns ``C = min_i(pad_i + match_i)`` (a cache holds one sequence length). Then:
 
-* dense (``k == C``, always with ``important_ratio=1.0``): every prefix row is read now;
-* sparse: the probe-key copies are read now (verified) and each layer's rows are chosen
-  during the prefill (`SparsePrefill`); with ``decode="full"`` the whole prefix is read
-  in the background after the prefill and restored before the first decode step.
+* dense (``k == C``, always with ``important_ratio=1.0``): a `DenseLoader` starts
+  reading every prefix row, layer by layer, while the model computes;
+* sparse: a `ProbeLoader` starts reading the probe-key copies and each layer's rows are
+  chosen during the prefill (`SparsePrefill`); with ``decode="full"`` the whole prefix is
+  read in the background after the prefill and restored before the first decode step.
 
-A damaged chunk file found here is quarantined and the request matches again (a shorter
-prefix, whose tokens it computes), up to `MAX_QUARANTINE_RETRIES` times.
+Nothing is read before the cache is built, so a damaged chunk file is found during the
+prefill: it is quarantined and the prefix is recomputed on the side for the remaining
+layers (`recovery`); later requests match a shorter prefix.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from ..selection.modes import BASELINES
 from ..stats import RequestStats, RowStats
 from ..store.leases import PrefixLease
 from ..store.store import ImpressStore
+from .loaders import DenseLoader, ProbeLoader, prefix_buffer
+from .recovery import recompute_prefix
 from .sparse import SparsePrefill
-
-MAX_QUARANTINE_RETRIES = 8
 
 
 class PrefixRequest:
-    """Match, lease and load (or plan to load) the stored prefix of one request."""
+    """Match, lease and start loading the stored prefix of one request."""
 
     def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor) -> None:
         self.store = store
@@ -42,11 +44,13 @@ class PrefixRequest:
         self.stats = RequestStats()
         #: columns of the prompt served from the store (the same for every row)
         self.reused = 0
+        self.repeats = 1
         self.sparse: SparsePrefill | None = None
-        #: dense reuse: ``[layers, batch, kv_heads, reused, head_dim]`` keys and values
-        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dense: DenseLoader | None = None
         self._lease: PrefixLease | None = None
         self._full: Future[tuple[torch.Tensor, torch.Tensor, int, int]] | None = None
+        self._recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.prefill_started: float | None = None
         t0 = time.perf_counter()
         self._plan()
         self.stats.load_seconds = time.perf_counter() - t0
@@ -65,35 +69,30 @@ class PrefixRequest:
     def _plan(self) -> None:
         store = self.store
         pads = self.pads
-        rows = [self.ids[i, pads[i] :].tolist() for i in range(self.ids.shape[0])]
-        for _ in range(MAX_QUARANTINE_RETRIES):
-            matches = [store.match(toks, limit=len(toks) - 1) for toks in rows]
-            # no disk eviction of these prefixes until their rows are in memory
-            self.release_lease()
-            self._lease = store.lease(matches)
-            self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
-            self.stats = RequestStats(quarantined_files=self.stats.quarantined_files)
-            self.stats.reused_columns = reused
-            for i, (toks, m) in enumerate(zip(rows, matches)):
-                used = max(0, reused - pads[i])
-                self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
-            self.stats.matched_tokens = sum(r.matched_tokens for r in self.stats.rows)
-            self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
-            if reused == 0:
-                self.release_lease()
-                return
-            try:
-                k = self._rows_per_layer(reused)
-                if k < reused:
-                    self.sparse = self._plan_sparse(matches, pads, reused, k)
-                else:
-                    self.prefix = self._load_dense(matches, pads, reused)
-                    self.release_lease()
-                return
-            except CorruptBlockError as exc:
-                store.quarantine(exc.file_id, str(exc))
-                self.stats.quarantined_files += 1
-        raise CacheUsageError("too many damaged chunk files while loading a prefix; see the log")
+        rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
+        t0 = time.perf_counter()
+        matches = [store.match(toks.numpy(), limit=len(toks) - 1) for toks in rows]
+        self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+        for i, (toks, m) in enumerate(zip(rows, matches)):
+            used = max(0, reused - pads[i])
+            self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
+        self.stats.reused_columns = reused
+        self.stats.matched_tokens = sum(r.matched_tokens for r in self.stats.rows)
+        self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
+        if reused == 0:
+            self.stats.match_seconds = time.perf_counter() - t0
+            return
+        k = self._rows_per_layer(reused)
+        # no disk eviction of these prefixes until their rows are in memory
+        self._lease = store.lease(matches, share=k / reused)
+        layouts = [store.layout(cut(m, reused - pads[i])) if reused > pads[i] else None for i, m in enumerate(matches)]
+        self.stats.match_seconds = time.perf_counter() - t0
+        room = self.ids.shape[1] - reused
+        if k < reused:
+            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats)
+            self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room)
+        else:
+            self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats)
 
     def _rows_per_layer(self, reused: int) -> int:
         """``k = ceil(important_ratio * C)``, whole blocks with block selection."""
@@ -104,46 +103,62 @@ class PrefixRequest:
             k = min(reused, math.ceil(k / cfg.chunk_tokens) * cfg.chunk_tokens)
         return k
 
-    def _load_dense(self, matches: list[Match], pads: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = self.store.spec
-        shape = (spec.num_layers, self.ids.shape[0], spec.num_kv_heads, reused, spec.head_dim)
-        alloc = torch.zeros if max(pads) > 0 else torch.empty  # padding columns must be zeros
-        keys = alloc(shape, dtype=spec.torch_kv_dtype)
-        values = alloc(shape, dtype=spec.torch_kv_dtype)
-        for i, m in enumerate(matches):
-            used = reused - pads[i]
-            if used > 0:
-                loaded = self.store.load(cut(m, used), out=(keys[:, i, :, pads[i] :], values[:, i, :, pads[i] :]))
-                self.stats.bytes_read_disk += loaded.bytes_read
-                self.stats.blocks_read += loaded.blocks_read
-        return keys, values
+    # -- during the prefill ------------------------------------------------------------
+    def prefix_for(self, layer: int, key_states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The layer's prefix rows in a buffer with room for the new tokens:
+        ``([2, batch, kv_heads, held + new, head_dim], held)``."""
+        try:
+            if self.sparse is not None:
+                buf, held = self.sparse.select(layer, key_states, self._recomputed)
+            elif self._recomputed is not None:
+                buf, held = self._recomputed_layer(layer), self.reused
+            else:
+                assert self._dense is not None
+                buf, held = self._dense.layer(layer), self.reused
+        except CorruptBlockError as exc:
+            self._recover(exc)
+            return self.prefix_for(layer, key_states)
+        if self.repeats > 1:
+            buf = buf.repeat_interleave(self.repeats, dim=1)
+        return buf, held
 
-    def _plan_sparse(self, matches: list[Match], pads: list[int], reused: int, k: int) -> SparsePrefill:
-        """Read the probe keys of every row's prefix (verified) and plan the prefill."""
-        store = self.store
-        layouts, probes = [], []
-        for i, m in enumerate(matches):
-            used = reused - pads[i]
-            lay = store.layout(cut(m, used)) if used > 0 else None
-            layouts.append(lay)
-            if lay is None or store.config.selection in BASELINES:
-                probes.append(None)  # baselines do not probe
-                continue
-            raw, nbytes = store.load_probes(lay)
-            self.stats.bytes_read_probe += nbytes
-            self.stats.bytes_read_disk += nbytes
-            probes.append(raw)
-        return SparsePrefill(store, k, layouts, probes, self.stats)
+    def _recover(self, exc: CorruptBlockError) -> None:
+        """Quarantine the damaged file and recompute the prefix for the remaining layers."""
+        if self._recomputed is not None:
+            raise CacheUsageError(f"a recomputed prefix failed to load: {exc}") from exc
+        self.store.quarantine(exc.file_id, str(exc))
+        self.stats.quarantined_files += 1
+        if self._dense is not None:
+            self._dense.cancel()
+        if self.sparse is not None and self.sparse.probes is not None:
+            self.sparse.probes.cancel()
+        base = self.ids.shape[0] // self.repeats
+        self._recomputed = recompute_prefix(self.store.model, self.ids[:base], self.mask[:base], self.reused)
 
-    # -- after the prefill -------------------------------------------------------------
-    def finish_sparse_prefill(self) -> None:
-        """Final I/O statistics; with ``decode="full"`` start reading the rest of the prefix."""
-        assert self.sparse is not None
-        self.sparse.finish()
-        if self.store.config.decode == "full":
-            self._full = self.store.fetcher.submit(self.sparse.load_full, self.ids.shape[0], self.reused)
-        else:
-            self.release_lease()
+    def _recomputed_layer(self, layer: int) -> torch.Tensor:
+        assert self._recomputed is not None
+        k, v = self._recomputed[layer]
+        buf = prefix_buffer(self.store, k.shape[0], self.reused, self.ids.shape[1] - self.reused, False)
+        buf[0, :, :, : self.reused] = k
+        buf[1, :, :, : self.reused] = v
+        self.stats.recomputed_layers += 1
+        return buf
+
+    def finish_prefill(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], store_prompt: bool) -> None:
+        """After the last layer: final statistics; with ``decode="full"`` start reading the
+        rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
+        if self.prefill_started is not None:
+            self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
+        if self.sparse is not None:
+            self.sparse.finish()
+            if self.store.config.decode == "full" and self._recomputed is None:
+                self._full = self.store.fetcher.submit(self.sparse.load_full, self.ids.shape[0], self.reused)
+            else:
+                self.release_lease()
+            return
+        self.release_lease()
+        if store_prompt:
+            self._store_prompt(layer_keys, layer_values)
 
     @property
     def full_pending(self) -> bool:
@@ -151,35 +166,35 @@ class PrefixRequest:
 
     def take_full_prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the background read of the whole prefix (``decode="full"``)."""
-        assert self._full is not None
+        assert self._full is not None and self.sparse is not None
         fut, self._full = self._full, None
         try:
             keys, values, nbytes, blocks = fut.result()
         except CorruptBlockError as exc:
             self.store.quarantine(exc.file_id, str(exc))
             self.stats.quarantined_files += 1
-            raise CorruptBlockError(
-                f"{exc}. The file was quarantined; decoding cannot continue against the whole prefix. "
-                "Retry the request (or use decode='keep').",
-                exc.file_id,
-            ) from exc
+            base = self.ids.shape[0] // self.repeats
+            rec = recompute_prefix(self.store.model, self.ids[:base], self.mask[:base], self.reused)
+            keys = torch.stack([k for k, _ in rec]).repeat_interleave(self.repeats, dim=1)
+            values = torch.stack([v for _, v in rec]).repeat_interleave(self.repeats, dim=1)
+            nbytes = blocks = 0
         finally:
             self.release_lease()
         self.stats.bytes_read_decode += nbytes
         self.stats.bytes_read_disk += nbytes
         self.stats.blocks_read += blocks
-        assert self.sparse is not None
         self.sparse.memo.clear()
         return keys, values
 
     def expand(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
+        self.repeats *= repeats
         if self.sparse is not None:
             self.sparse.repeats *= repeats
         self.ids = self.ids.repeat_interleave(repeats, 0)
         self.mask = self.mask.repeat_interleave(repeats, 0)
 
-    def store_prompt(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor]) -> None:
+    def _store_prompt(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor]) -> None:
         """Hand every distinct row's K/V (``[batch, kv_heads, >= seq, head_dim]`` per layer)
         to the store's background writer."""
         seq = self.ids.shape[1]
@@ -206,3 +221,4 @@ def cut(match: Match, n: int) -> list[Segment]:
         out.append(Segment(seg.node, take))
         n -= take
     return out
+

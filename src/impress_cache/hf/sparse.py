@@ -1,45 +1,50 @@
 """A sparse prefill: each layer's prefix rows chosen with the new tokens' queries.
 
-Built by `PrefixRequest` when a request loads fewer than all of its reused rows. The
-probe-key copies were read when the cache was built; during the prefill the hooks hand
-each layer's post-RoPE queries to `capture`, and the layer's first ``update`` calls
-`select`, which picks and loads that layer's rows for every batch row (`select_row`).
-Blocks read here are kept (``memo``) so that the background read of the whole prefix
-for ``decode="full"`` does not read them again.
+Built by `PrefixRequest` when a request loads fewer than all of its reused rows. A
+`ProbeLoader` reads and decodes the probe-key copies ahead of the layers; during the
+prefill the hooks hand each layer's post-RoPE queries to `capture`, and the layer's
+first ``update`` calls `select`, which picks and loads that layer's rows for every batch
+row (`select_row`). Blocks read here are kept (``memo``) so that the background read of
+the whole prefix for ``decode="full"`` does not read them again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
-from .. import probe as probe_codec
 from ..errors import CacheUsageError, CorruptBlockError
+from ..selection.modes import BASELINES
 from ..selection.selectors import RowSelection, select_row
 from ..stats import RequestStats
 from ..storage.base import KV, BlockKey
+from ..store.blocks import PendingRead
 from ..store.blockset import BlockSet, ReadStats, invalid_io_ratio
 from ..store.layout import PrefixLayout
 from ..store.store import ImpressStore
+from .loaders import ProbeLoader, prefix_buffer
 
 
 class SparsePrefill:
-    """``k`` prefix rows per layer; per batch row its layout and probe records."""
+    """``k`` prefix rows per layer; per batch row its layout."""
 
     def __init__(
         self,
         store: ImpressStore,
         k: int,
         layouts: list[PrefixLayout | None],
-        probes: list[list[torch.Tensor] | None],
+        probes: ProbeLoader | None,
         stats: RequestStats,
+        room: int,
     ) -> None:
         self.store = store
         self.k = k
         self.layouts = layouts
         self.probes = probes
         self.stats = stats
+        self.room = room
         self.repeats = 1
         #: blocks this request has read, by key (the decode-time read skips them)
         self.memo: dict[BlockKey, torch.Tensor] = {}
@@ -48,6 +53,9 @@ class SparsePrefill:
         self.selections: dict[int, dict[int, torch.Tensor]] = {}
         self._queries: dict[int, torch.Tensor] = {}
         self._prefill = ReadStats()
+        #: per batch row: the units whose next-layer blocks are being read ahead
+        self._ahead: dict[int, tuple[int, list[int], PendingRead]] = {}
+        self._ahead_hits = self._ahead_needed = 0
 
     def row_of(self, i: int) -> int:
         """Original batch row of (possibly expanded) row ``i``."""
@@ -57,41 +65,41 @@ class SparsePrefill:
         """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
         self._queries[layer_idx] = queries.detach().float()
 
-    def select(self, layer_idx: int, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pick and load this layer's prefix rows for every batch row: ``[batch, kv_heads,
-        k, head_dim]`` keys and values, right-aligned (a row with a shorter prefix leaves
-        zeros in front, which its attention mask hides)."""
-        queries = self._queries.pop(layer_idx, None)
+    def select(
+        self, layer_idx: int, key_states: torch.Tensor, recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Pick and load this layer's prefix rows for every batch row: a ``[2, batch,
+        kv_heads, k + new, head_dim]`` buffer whose first ``k`` rows hold them,
+        right-aligned (a row with a shorter prefix leaves zeros in front, which its
+        attention mask hides). With ``recomputed`` (the prefix's K/V computed after a
+        damaged block), rows come from there."""
+        queries = self._queries.get(layer_idx)  # kept until the layer succeeds (recovery retries it)
         if queries is None:
             raise CacheUsageError(
                 f"no queries were captured for layer {layer_idx}; sparse prefix loading needs "
                 "ImpressCache to be used through the model's forward (generate or model(...))"
             )
-        store, spec = self.store, self.store.spec
+        io0 = self.stats.io_wait_seconds
+        probes = self.probes.layer(layer_idx) if self.probes is not None and recomputed is None else None
+        t1 = time.perf_counter()
+        if recomputed is not None:
+            self.stats.recomputed_layers += 1
         batch = key_states.shape[0]
-        shape = (batch, spec.num_kv_heads, self.k, spec.head_dim)
-        pk = torch.zeros(shape, dtype=spec.torch_kv_dtype)
-        pv = torch.zeros(shape, dtype=spec.torch_kv_dtype)
+        buf = prefix_buffer(self.store, batch, self.k, self.room, True)
         sims, thresholds, fell_back = [], [], False
         for i in range(batch):
-            lay = self.layouts[self.row_of(i)]
+            src = self.row_of(i)
+            lay = self.layouts[src]
             if lay is None:
                 continue
-            try:
-                sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i])
-            except CorruptBlockError as exc:
-                store.quarantine(exc.file_id, str(exc))
-                self.stats.quarantined_files += 1
-                raise CorruptBlockError(
-                    f"{exc}. The file was quarantined; this request cannot recompute those tokens any more. "
-                    "Retry the request: it will recompute them.",
-                    exc.file_id,
-                ) from exc
+            mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
+            sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem)
             k_i = sel.keys.shape[1]
             self.selections.setdefault(layer_idx, {})[i] = sel.rows
-            pk[i, :, self.k - k_i :] = sel.keys
-            pv[i, :, self.k - k_i :] = sel.values
-            self._count(sel.read)
+            buf[0, i, :, self.k - k_i : self.k] = sel.keys
+            buf[1, i, :, self.k - k_i : self.k] = sel.values
+            if mem is None:
+                self._count(sel.read)
             if layer_idx == 0:
                 self.stats.loaded_tokens += k_i
             sims.append(sel.similarity)
@@ -101,15 +109,45 @@ class SparsePrefill:
         self.stats.layer_threshold.append(sum(thresholds) / max(1, len(thresholds)))
         if fell_back:
             self.stats.fallback_layers.append(layer_idx)
-        return pk, pv
+        self.stats.select_seconds += time.perf_counter() - t1 - (self.stats.io_wait_seconds - io0)
+        del self._queries[layer_idx]
+        if self.store.config.prefetch and recomputed is None and layer_idx + 1 < self.store.spec.num_layers:
+            self._read_ahead(layer_idx + 1)
+        return buf, self.k
+
+    def _read_ahead(self, layer_idx: int) -> None:
+        """Start reading, for the next layer, the blocks this layer chose (per batch row)."""
+        for i, rows in self.selections.get(layer_idx - 1, {}).items():
+            lay = self.layouts[self.row_of(i)]
+            assert lay is not None
+            units = lay.units_for(rows.reshape(-1))
+            if len(units) < len(lay.units):  # a layer that read everything predicts nothing
+                self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
+
+    def _row_from(
+        self, recomputed: list[tuple[torch.Tensor, torch.Tensor]], layer: int, row: int, lay: PrefixLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's recomputed prefix K/V (``[kv_heads, P, head_dim]``, real tokens only)."""
+        k, v = recomputed[layer]
+        reused = k.shape[2]
+        return k[row, :, reused - lay.length :], v[row, :, reused - lay.length :]
 
     def _select_row(
-        self, layer_idx: int, i: int, lay: PrefixLayout, queries: torch.Tensor, new_keys: torch.Tensor
+        self,
+        layer_idx: int,
+        row: int,
+        lay: PrefixLayout,
+        queries: torch.Tensor,
+        new_keys: torch.Tensor,
+        probe_keys: torch.Tensor | None,
+        mem: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> RowSelection:
-        store, spec, cfg = self.store, self.store.spec, self.store.config
+        store, cfg = self.store, self.store.config
 
         def read_units(units: Sequence[int], rows: torch.Tensor | None) -> BlockSet:
-            return self._read_units(lay, layer_idx, units, rows)
+            if mem is not None:
+                return lay.blocks_from(mem[0], mem[1], list(units))
+            return self._read_units(lay, layer_idx, row, units, rows)
 
         k_i = min(self.k, lay.length)
         if k_i == lay.length:
@@ -117,12 +155,8 @@ class SparsePrefill:
             blocks = read_units(units, None)
             keys, values = lay.gather(units, blocks)
             return RowSelection(keys, values, 1.0, 0.0, False, torch.arange(lay.length), blocks.stats)
-        raw = self.probes[self.row_of(i)]
-        probe_keys = (
-            None
-            if raw is None
-            else probe_codec.decode(raw[layer_idx], len(store.probe.kv_heads), spec.head_dim, store.probe.encoding)
-        )
+        if mem is not None and probe_keys is None and cfg.selection not in BASELINES:
+            probe_keys = mem[0][list(store.probe.kv_heads)].float()  # exact keys: score with them
         return select_row(
             queries=queries,
             new_keys=new_keys,
@@ -137,19 +171,35 @@ class SparsePrefill:
             seed=layer_idx,
         )
 
-    def _read_units(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int], rows: torch.Tensor | None) -> BlockSet:
+    def _read_units(
+        self, lay: PrefixLayout, layer_idx: int, row: int, units: Sequence[int], rows: torch.Tensor | None
+    ) -> BlockSet:
         """Blocks of ``units`` for one layer; ``rows`` are the selected positions (they give
-        each block's importance share: the fraction of its rows selected)."""
-        keys = lay.keys(units, KV, layer_idx)
-        shares: list[float | None] | None = None
+        each block's importance share: the fraction of its rows selected). Blocks read
+        ahead for this layer are used; the ones it did not choose are accounted with
+        share 0 and kept for a ``decode="full"`` read."""
+        t0 = time.perf_counter()
+        share = torch.ones(len(lay.units), dtype=torch.float64)
         if rows is not None:
             counts = torch.bincount(lay.unit_of[rows.reshape(-1)], minlength=len(lay.units))
             per_head = rows.shape[0] if rows.dim() == 2 else 1
-            idx = torch.as_tensor(list(units), dtype=torch.long)
-            shares = (counts[idx].double() / per_head / lay.unit_count[idx]).clamp(max=1.0).tolist()
-        blocks = self.store.read_blocks(keys, shares, known=self.memo)
-        for i, key in enumerate(keys):
+            share = (counts.double() / per_head / lay.unit_count).clamp(max=1.0)
+        ahead = self._ahead.pop(row, None)
+        if ahead is not None and ahead[0] == layer_idx:
+            _, pre_units, pending = ahead
+            wanted = set(units)
+            pre = pending.result([float(share[u]) if u in wanted else 0.0 for u in pre_units])
+            self._count(pre.stats)
+            for j, key in enumerate(lay.keys(pre_units, KV, layer_idx)):
+                self.memo.setdefault(key, pre.block(j))
+            self._ahead_hits += len(wanted.intersection(pre_units))
+            self._ahead_needed += len(units)
+        blocks = self.store.start_layout(
+            lay, KV, [layer_idx], units, [float(share[u]) for u in units], known=self.memo
+        ).result()
+        for i, key in enumerate(lay.keys(units, KV, layer_idx)):
             self.memo.setdefault(key, blocks.block(i))
+        self.stats.io_wait_seconds += time.perf_counter() - t0
         return blocks
 
     def _count(self, read: ReadStats) -> None:
@@ -159,7 +209,21 @@ class SparsePrefill:
         self.stats.blocks_read += read.disk_blocks
 
     def finish(self) -> None:
-        """After the prefill: the request's invalid-I/O ratio."""
+        """After the prefill: fold in the probe reads; the request's invalid-I/O ratio and
+        prefetch hit rate."""
+        for _, _, pending in self._ahead.values():  # read ahead for a layer that never came
+            try:
+                self._count(pending.result().stats)
+            except CorruptBlockError:
+                pass  # nothing of it is used
+        self._ahead.clear()
+        if self._ahead_needed:
+            self.stats.prefetch_hit_rate = self._ahead_hits / self._ahead_needed
+        if self.probes is not None:
+            r = self.probes.read
+            self.stats.bytes_read_probe += r.disk_bytes
+            self.stats.bytes_read_disk += r.disk_bytes
+            self.stats.blocks_read += r.disk_blocks
         p = self._prefill
         self.stats.bytes_unattended_rows = p.kv_unattended_bytes
         self.stats.invalid_io_ratio = invalid_io_ratio(p.kv_unattended_bytes, p.kv_disk_bytes)

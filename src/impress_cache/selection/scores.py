@@ -216,10 +216,14 @@ def attention_column_scores(
         stop = min(start + chunk_rows, n)
         c = stop - start
         qc = qg[:, :, :, start:stop, :].reshape(B, Hk, group * c, D)  # rows: (head in group, position)
-        logits_p = torch.matmul(qc, kp_t)  # [B, Hk, group * c, P]
+        e = torch.matmul(qc, kp_t)  # logits [B, Hk, group * c, P], exponentiated in place below
         if prefix_bias is not None:
-            logits_p = logits_p + prefix_bias
-        lse = torch.logsumexp(logits_p, dim=-1)  # [B, Hk, group * c]
+            e += prefix_bias
+        # one pass of exp over the big matrix: e = exp(logits - m) with m the row maximum
+        m = e.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no visible prefix key
+        e.sub_(m).exp_()
+        lse = m.squeeze(-1) + torch.log(e.sum(dim=-1))  # [B, Hk, group * c]
         if kn_t is not None:
             # Rows start..stop-1 can only see new keys 0..stop-1.
             logits_n = torch.matmul(qc, kn_t[..., :stop])  # [B, Hk, group * c, stop]
@@ -229,14 +233,14 @@ def attention_column_scores(
                 logits_n = logits_n + newkey_bias[..., :stop]
             lse = torch.logaddexp(lse, torch.logsumexp(logits_n, dim=-1))
             del logits_n
-        # Rows that see no key at all have lse = -inf; make them contribute zero.
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        probs = torch.exp(logits_p - lse.unsqueeze(-1))  # [B, Hk, group * c, P]
+        # probability of a prefix key = e * exp(m - lse) per row; rows that see no key at
+        # all (lse = -inf) contribute zero
+        w = torch.where(torch.isinf(lse), torch.zeros_like(lse), torch.exp(m.squeeze(-1) - lse))
         if qm is not None:
-            w = qm[:, start:stop].to(torch.float32)[:, None, None, :].expand(B, 1, group, c)
-            probs = probs * w.reshape(B, 1, group * c, 1)
-        out += probs.view(B, Hk, group, c, P).sum(dim=3).view(B, Hq, P)
-        del probs, logits_p
+            w = w * qm[:, start:stop].to(torch.float32)[:, None, None, :].expand(B, 1, group, c).reshape(B, 1, group * c)
+        # column sums per query head: a [1, c] x [c, P] product per (batch, KV head, head in group)
+        out += torch.matmul(w.view(B, Hk, group, 1, c), e.view(B, Hk, group, c, P)).view(B, Hq, P)
+        del e
     return out
 
 
@@ -269,8 +273,16 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     if scores.dim() < 1:
         raise ValueError("scores must have at least one dimension")
     _check_k(k, scores.shape[-1])
-    order = _rank_descending(_sanitize_scores(scores))
-    return torch.sort(order[..., :k], dim=-1).values
+    s = _sanitize_scores(scores)
+    # the k-th largest value splits the rows: everything above it is in, and of the
+    # values equal to it the ones with the lowest indices fill up to k (the order a
+    # stable descending sort gives), without sorting all P values
+    kth = torch.topk(s, k, dim=-1, sorted=True).values[..., -1:]
+    above = s > kth
+    ties = s == kth
+    fill = k - above.sum(dim=-1, keepdim=True)
+    keep = above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= fill))
+    return torch.nonzero(keep.reshape(-1, s.shape[-1]))[:, 1].reshape(*s.shape[:-1], k)
 
 
 # ---------------------------------------------------------------------------

@@ -96,8 +96,17 @@ class PendingRead:
         self._plan = plan
         self._result: BlockSet | None = None
 
-    def result(self) -> BlockSet:
+    def result(self, shares: Sequence[float] | None = None) -> BlockSet:
+        """Wait for the disk reads and return the blocks. ``shares`` (one per key asked
+        for) replaces the importance shares the read was started with, for its
+        accounting: a read started before the request knew which rows it would use (a
+        prefetch) is accounted with what it turned out to be worth."""
         if self._result is None:
+            if shares is not None:
+                plan = self._plan
+                per_slot = np.zeros(len(plan.nbytes))
+                per_slot[np.asarray(plan.slot_of)] = [clip_share(x) for x in shares]
+                plan.shares = per_slot
             self._result = self._io._finish(self._plan)
         return self._result
 

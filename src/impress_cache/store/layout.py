@@ -109,6 +109,52 @@ class PrefixLayout:
         out = pool.reshape(-1, dim).index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
         return out[0], out[1]
 
+    def blocks_from(self, keys: torch.Tensor, values: torch.Tensor, units: Sequence[int]) -> BlockSet:
+        """The blocks of ``units`` cut from in-memory ``[heads, positions, head_dim]`` keys
+        and values, as the read path returns them (one slot per unit, in order): what a
+        request uses when it had to recompute its prefix."""
+        s = max((self.units[u].first_row + self.units[u].count for u in units), default=1)
+        h, _, d = keys.shape
+        pool = torch.zeros(len(units), 2, h, s, d, dtype=keys.dtype, device=keys.device)
+        rows = []
+        for slot, u in enumerate(units):
+            unit = self.units[u]
+            r, sl = unit.first_row, slice(unit.start, unit.start + unit.count)
+            pool[slot, 0, :, r : r + unit.count] = keys[:, sl]
+            pool[slot, 1, :, r : r + unit.count] = values[:, sl]
+            rows.append(r + unit.count)
+        return BlockSet(KV, pool, rows, list(range(len(units))))
+
+    def gather_into(self, units: Sequence[int], blocks: BlockSet, out: torch.Tensor, offset: int = 0) -> None:
+        """Every position of ``units`` (in order) into ``out``, a ``[2, heads, positions,
+        head_dim]`` tensor or view (keys, then values).
+
+        Runs of whole blocks in consecutive pool slots are copied with one strided copy
+        each (no index); only units that cover part of a block are copied one by one.
+        """
+        pool = blocks.pool
+        s = pool.shape[3]
+        slots = blocks.slot_of[offset : offset + len(units)]
+        infos = [self.units[u] for u in units]
+        pos, i, n = 0, 0, len(infos)
+        while i < n:
+            j = i
+            while (
+                j < n and infos[j].first_row == 0 and infos[j].count == s and slots[j] == slots[i] + (j - i)
+            ):
+                j += 1
+            if j > i:  # whole blocks i .. j - 1, one after the other in the pool
+                nb = j - i
+                src = pool[slots[i] : slots[i] + nb].permute(1, 2, 0, 3, 4)  # [2, H, nb, S, D]
+                out[:, :, pos : pos + nb * s].unflatten(2, (nb, s)).copy_(src)
+                pos += nb * s
+                i = j
+                continue
+            u = infos[i]
+            out[:, :, pos : pos + u.count].copy_(pool[slots[i], :, :, u.first_row : u.first_row + u.count])
+            pos += u.count
+            i += 1
+
     def gather_rows(
         self, units: Sequence[int], blocks: BlockSet, positions: torch.Tensor | None = None, offset: int = 0
     ) -> torch.Tensor:

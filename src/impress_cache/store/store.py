@@ -145,6 +145,8 @@ class ImpressStore:
         self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock)
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
+        #: threads that read requests' prefixes layer by layer while the model computes
+        self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
         self._gc.remove_orphans()
         loaded = self._stats.load()
         log.info(
@@ -203,6 +205,7 @@ class ImpressStore:
         finally:
             self._writer.close()
             self.fetcher.shutdown(wait=True)
+            self.loader.shutdown(wait=True)
             self.save_block_stats()
             self._stats.closed = True
             self._reader.close()

