@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from impress_cache import ImpressCache, ImpressStore
-from impress_cache.storage.base import KV
 from impress_cache.store.blockset import BlockSet
 
 
