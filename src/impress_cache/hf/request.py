@@ -35,10 +35,12 @@ MAX_QUARANTINE_RETRIES = 8
 class PrefixRequest:
     """Match, lease and load (or plan to load) the stored prefix of one request."""
 
-    def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor, reuse: bool = True) -> None:
         self.store = store
         self.ids = ids
         self.mask = mask
+        #: False: match nothing (a forward that computes the whole prompt; it is still stored)
+        self.reuse = reuse
         self.stats = RequestStats()
         #: columns of the prompt served from the store (the same for every row)
         self.reused = 0
@@ -67,7 +69,7 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :].tolist() for i in range(self.ids.shape[0])]
         for _ in range(MAX_QUARANTINE_RETRIES):
-            matches = [store.match(toks, limit=len(toks) - 1) for toks in rows]
+            matches = [store.match(toks, limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
             # no disk eviction of these prefixes until their rows are in memory
             self.release_lease()
             self._lease = store.lease(matches)
