@@ -78,7 +78,10 @@ def install_hooks(model: torch.nn.Module, cache_type: type) -> None:
 def remove_hooks(model: torch.nn.Module) -> bool:
     """Remove everything `install_hooks` put on ``model``; returns whether there was any.
 
-    The next `ImpressCache` built for the model installs them again.
+    The forward hooks go, and ``model.generate`` and ``model.prepare_inputs_for_generation``
+    are the class's methods again. The next `ImpressCache` built for the model installs
+    the hooks again; a cache built before the removal and not yet bound can no longer
+    bind (using it raises `CacheUsageError`).
     """
     with _lock:
         done = _installed.pop(model, None)
