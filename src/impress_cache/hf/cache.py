@@ -1,9 +1,11 @@
 """ImpressCache: one request's view of an `ImpressStore`, as a transformers cache.
 
-This module only speaks the transformers cache protocol; the plan of the request lives
-in `request`, the sparse prefill in `sparse`, the hooks in `hooks` and the checks in
-`guards`:
+This module binds a cache to its prompt and speaks the transformers cache protocol; the
+plan of the request lives in `request`, the sparse prefill in `sparse`, the hooks in
+`hooks` and the checks in `guards`:
 
+* a cache built without ids has every layer but no prompt (length 0) until it is bound:
+  by the ``generate`` wrapper in `hooks`, or by a first forward (`ImpressCache.bind`);
 * ``generate`` computes only ``input_ids.shape[1] - cache.get_seq_length()`` tokens, so
   before the first forward every layer reports the reused prefix length;
 * on its first ``update`` a layer puts the stored prefix rows in front of the new ones;
