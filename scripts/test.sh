@@ -7,9 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-echo "== transformers $(.venv/bin/python -c 'import transformers; print(transformers.__version__)'): whole suite"
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-echo "== transformers $(.venv523/bin/python -c 'import transformers; print(transformers.__version__)'): tests/hf"
-.venv523/bin/python -m pytest -q -p no:cacheprovider tests/hf
-.venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
-echo "docs: mkdocs build --strict passed"
+status=0  # every stage runs; the script fails if any did
+echo "== transformers $(.venv/bin/python -c 'from importlib.metadata import version; print(version("transformers"))'): whole suite"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=1
+echo "== transformers $(.venv523/bin/python -c 'from importlib.metadata import version; print(version("transformers"))'): tests/hf"
+.venv523/bin/python -m pytest -q -p no:cacheprovider tests/hf || status=1
+if .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"; then
+    echo "docs: mkdocs build --strict passed"
+else
+    status=1
+fi
+exit $status
