@@ -80,12 +80,13 @@ def ask(model: Any, tok: Any, doc: str, question: str, store: ImpressStore | Non
     streamer = _FirstToken()
     t0 = time.perf_counter()
     cache = None
+    kwargs: dict[str, Any] = {}
     if store is not None:
-        cache = ImpressCache(store, ids["input_ids"], attention_mask=ids["attention_mask"])
+        # binds to the prompt when generate starts: the stored prefix is found and read
+        # inside generate, so TTFT still counts the lookup and the disk reads
+        kwargs["cache"] = cache = ImpressCache(store)  # past_key_values= on transformers 5.23
     with torch.no_grad(), prefill_progress(model):
-        out = model.generate(
-            **ids, past_key_values=cache, max_new_tokens=max_new, do_sample=False, streamer=streamer
-        )
+        out = model.generate(**ids, **kwargs, max_new_tokens=max_new, do_sample=False, streamer=streamer)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     n = int(ids["input_ids"].shape[1])
     s = cache.stats if cache is not None else None

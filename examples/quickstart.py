@@ -26,10 +26,10 @@ system = "You are a terse assistant. Facts: " + " ".join(
 
 def ask(store: ImpressStore, question: str) -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    cache = ImpressCache(store, ids["input_ids"], attention_mask=ids["attention_mask"])
-    out = model.generate(**ids, past_key_values=cache, max_new_tokens=24, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    cache = ImpressCache(store)  # binds to the prompt generate receives
+    out = model.generate(**inputs, cache=cache, max_new_tokens=24, do_sample=False)  # past_key_values= on 5.23
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     s = cache.stats
     print(f"reused {s.matched_tokens:4d}  computed {s.computed_tokens:4d}  read {s.bytes_read_disk / 2**20:6.1f} MiB  | {answer!r}")
 

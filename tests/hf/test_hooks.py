@@ -3,14 +3,19 @@ removable."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 
+import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from helpers import run
+from helpers import run, store_dense
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore, remove_hooks
+from impress_cache.hf.compat import CACHE_KWARG
 from impress_cache.hf.hooks import hooks_installed
+
+SPELLINGS = ["cache", "past_key_values"] if CACHE_KWARG == "cache" else ["past_key_values"]
 
 
 def _ids(seed: int, n: int) -> torch.Tensor:
@@ -31,7 +36,8 @@ def _plain_generations(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
         "ids": model.generate(ids, max_new_tokens=5, do_sample=False),
         "embeds": model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False),
-        "dynamic": model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False),
+        "dynamic": model.generate(ids, max_new_tokens=5, do_sample=False, **{CACHE_KWARG: DynamicCache()}),
+        "dynamic, old spelling": model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False),
         "assisted": model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=5, do_sample=False),
     }
 
@@ -44,12 +50,17 @@ def test_hooks_change_nothing_without_an_impress_cache_and_can_be_removed(tmp_pa
         ids = _ids(2, 40)
         run(model, ids, cache=ImpressCache(store, ids))  # installs the hooks
         assert hooks_installed(model) and _hook_count(model) > hooks_before
+        # the wrappers keep the signatures generate's feature checks read
+        assert inspect.signature(model.generate) == inspect.signature(type(model).generate.__get__(model))
+        assert inspect.signature(model.prepare_inputs_for_generation) == inspect.signature(
+            type(model).prepare_inputs_for_generation.__get__(model)
+        )
         after = _plain_generations(model)
         for name in before:
             assert torch.equal(before[name], after[name]), name
         assert remove_hooks(model) and not hooks_installed(model)
         assert _hook_count(model) == hooks_before
-        assert "prepare_inputs_for_generation" not in vars(model)
+        assert "prepare_inputs_for_generation" not in vars(model) and "generate" not in vars(model)
         assert remove_hooks(model) is False  # removing twice is harmless
         # the next cache installs them again and works
         q = torch.cat([ids, _ids(3, 5)], dim=1)
@@ -86,3 +97,20 @@ def test_threads_building_their_first_caches_install_the_hooks_once(tmp_path):
         ref, _ = run(model, ids)
         out, _ = run(model, ids, cache=ImpressCache(store, ids))
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_query_capture_sees_the_cache_under_either_spelling(tmp_path, spelling):
+    """A sparse prefill needs every layer's queries: the hooks find the cache whether generate
+    got it as ``cache=`` (5.24; the decoder layers pass it on under that name) or as
+    ``past_key_values=``."""
+    model = tiny_model("qwen3")
+    doc = _ids(5, 128)
+    store_dense(tmp_path, model, doc)
+    q = torch.cat([doc, _ids(6, 8)], dim=1)
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
+    with ImpressStore(tmp_path, model, cfg) as store:
+        cache = ImpressCache(store)
+        run(model, q, cache=cache, new_tokens=3, cache_kwarg=spelling)
+        assert sorted(cache.selections) == [0, 1]
+        assert all(sel[0].numel() == 32 for sel in cache.selections.values())

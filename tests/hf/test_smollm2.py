@@ -7,7 +7,8 @@ import torch
 from pydoc_data.topics import topics
 
 from helpers import assert_same_as_uncached, left_pad
-from impress_cache import ImpressConfig, ImpressStore
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 
 pytestmark = pytest.mark.slow
 
@@ -47,3 +48,34 @@ def test_smollm2_exact_reuse(tmp_path, smollm2, attn):
             assert c3.stats.matched_tokens > 0
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_smollm2_tokenizer_output_and_pipeline_bind_an_empty_cache(tmp_path, smollm2):
+    """``model.generate(**tokenizer(text, return_tensors="pt"), cache=ImpressCache(store))``
+    and ``pipeline("text-generation")`` with the cache among the generate arguments
+    reuse and store like a cache built with the ids."""
+    from transformers import pipeline
+
+    model, tok = smollm2
+    doc = topics["assert"][:1500]
+
+    def messages(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "Answer using this document.\n\n" + doc}, {"role": "user", "content": question}]
+
+    with ImpressStore(tmp_path / "kv", model, ImpressConfig(important_ratio=1.0)) as store, torch.no_grad():
+        for question, reused in (("What is assert for?", False), ("When is it removed?", True)):
+            text = tok.apply_chat_template(messages(question), add_generation_prompt=True, tokenize=False)
+            inputs = tok(text, return_tensors="pt")
+            ref = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+            cache = ImpressCache(store)
+            out = model.generate(**inputs, max_new_tokens=6, do_sample=False, **{CACHE_KWARG: cache})
+            store.flush()
+            assert torch.equal(out, ref)
+            assert (cache.stats.matched_tokens > 200) == reused and cache.stats.stored_prompts == 1
+        pipe = pipeline("text-generation", model=model, tokenizer=tok)
+        question = messages("Can assert take a message?")
+        ref = pipe(question, max_new_tokens=6, do_sample=False)[0]["generated_text"][-1]
+        cache = ImpressCache(store)
+        out = pipe(question, max_new_tokens=6, do_sample=False, **{CACHE_KWARG: cache})[0]["generated_text"][-1]
+        assert out == ref and cache.is_bound
+        assert cache.stats.matched_tokens > 200 and cache.stats.computed_tokens < 20

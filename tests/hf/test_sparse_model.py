@@ -12,6 +12,7 @@ import torch
 from conftest import VOCAB, tiny_model
 from helpers import assert_same_as_uncached, left_pad, run, store_dense
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 
 NEW = 12
 
@@ -68,7 +69,7 @@ def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
                 ids[:, reused:],
                 attention_mask=mask,
                 position_ids=_positions(mask)[:, reused:],
-                past_key_values=cache,
+                **{CACHE_KWARG: cache},
                 use_cache=True,
             )
         sel = cache.selections[0]

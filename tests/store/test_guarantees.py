@@ -122,6 +122,7 @@ _CRASH = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import tiny_model
     from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+    from impress_cache.hf.compat import CACHE_KWARG
     import impress_cache.store.writer as st
     import impress_cache.index.sqlite as ix
     where = sys.argv[1]
@@ -133,7 +134,7 @@ _CRASH = textwrap.dedent(
     store = ImpressStore({path!r}, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0))
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 256, (1, 80), generator=g)
-    model.generate(ids, past_key_values=ImpressCache(store, ids), max_new_tokens=2, do_sample=False)
+    model.generate(ids, max_new_tokens=2, do_sample=False, **{{CACHE_KWARG: ImpressCache(store)}})
     store.close()
     """
 )

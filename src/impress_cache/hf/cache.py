@@ -1,9 +1,11 @@
 """ImpressCache: one request's view of an `ImpressStore`, as a transformers cache.
 
-This module only speaks the transformers cache protocol; the plan of the request lives
-in `request`, the sparse prefill in `sparse`, the hooks in `hooks` and the checks in
-`guards`:
+This module binds a cache to its prompt and speaks the transformers cache protocol; the
+plan of the request lives in `request`, the sparse prefill in `sparse`, the hooks in
+`hooks` and the checks in `guards`:
 
+* a cache built without ids has every layer but no prompt (length 0) until it is bound:
+  by the ``generate`` wrapper in `hooks`, or by a first forward (`ImpressCache.bind`);
 * ``generate`` computes only ``input_ids.shape[1] - cache.get_seq_length()`` tokens, so
   before the first forward every layer reports the reused prefix length;
 * on its first ``update`` a layer puts the stored prefix rows in front of the new ones;
@@ -38,14 +40,27 @@ class ImpressLayer(DynamicLayer):
     Before its first ``update`` the layer only knows its prefix length; the request then
     hands it a buffer (`place`) holding its prefix rows plus room for the new tokens, so
     the first ``update`` copies only the new rows (no concatenation of the prefix).
+    ``is_croppable`` is True as for every dynamic layer: `crop` removes rows computed
+    after the prefix exactly (it raises `CacheUsageError` instead of cutting into the
+    reused prefix). Nothing here reads ``layer.dtype``, which 5.24 removed: rows take
+    the dtype of the incoming keys.
     """
 
-    def __init__(self, prefix_len: int, hidden: int = 0) -> None:
+    is_croppable = True
+
+    def __init__(self, prefix_len: int = 0, hidden: int = 0) -> None:
         super().__init__()
-        self._prefix_len = prefix_len
         #: ``([2, batch, kv_heads, held + room, head_dim], held)`` until the first update
         self._buffer: tuple[torch.Tensor, int] | None = None
-        #: prefix rows that are not held (sparse prefill): key index j is position j + hidden
+        self.start_with(prefix_len, hidden)
+
+    def start_with(self, prefix_len: int, hidden: int = 0) -> None:
+        """Set how many prefix rows this layer starts with (before any update);
+        ``hidden`` of them are not held (sparse prefill): key index j is position
+        j + hidden."""
+        if self.is_initialized:
+            raise CacheUsageError("an ImpressLayer gets its prefix rows before its first update")
+        self._prefix_len = prefix_len
         self.hidden = hidden
 
     def place(self, buf: torch.Tensor, held: int) -> None:
@@ -106,102 +121,178 @@ class ImpressLayer(DynamicLayer):
             super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if not self.is_initialized:
-            raise CacheUsageError("ImpressCache cannot select batch rows before the prefill")
-        super().batch_select_indices(indices)
+        if self.is_initialized:
+            super().batch_select_indices(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder the held rows (rows not placed yet follow the request's
+        row map)."""
+        if self.is_initialized and self.keys.numel() > 0:
+            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
 
 
 class ImpressCache(Cache):
     """A ``transformers`` cache that reuses the longest stored prefix of each prompt.
 
+    Build it empty and give it to ``generate``; it binds to the prompt ``generate``
+    receives::
+
+        out = model.generate(**inputs, cache=ImpressCache(store), max_new_tokens=32)
+
+    (``past_key_values=`` before transformers 5.24.)
+
     Parameters
     ----------
     store:
-        The `ImpressStore` to read from and write to.
+        The `ImpressStore` to read from and write to. Its model must be the one that
+        runs the request.
     input_ids:
-        The full prompt, ``[batch, seq]`` integer tensor, exactly as passed to
-        ``generate``. Each row reuses at most ``seq - 1`` stored tokens.
+        Optional: the full prompt, ``[batch, seq]`` integer tensor, exactly as passed to
+        ``generate``; the stored prefix is then found and loaded here instead of when
+        ``generate`` starts. Each row reuses at most ``seq - 1`` stored tokens.
     attention_mask:
-        The mask passed to ``generate`` (left padding only). Required when the batch
-        is padded.
+        With ``input_ids``: the mask passed to ``generate`` (left padding only).
+        Required when the batch is padded.
     store_prompt:
         Write the prompt's K/V to the store once it has been computed.
 
     Notes
     -----
-    One cache serves one request: build a new one for every ``generate`` call.
+    One cache serves one request: build a new one for every ``generate`` call. An
+    unbound cache binds to the prompt when ``generate`` is called with it (before
+    ``generate`` asks its length), or, in a plain ``model(...)`` forward, to that
+    forward's ``input_ids``: the forward computes every token it is given, so that
+    binding reuses nothing and only stores the prompt.
     """
 
     def __init__(
         self,
         store: ImpressStore,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         store_prompt: bool = True,
     ) -> None:
         if not isinstance(store, ImpressStore):
             raise TypeError(f"store must be an ImpressStore, got {type(store).__name__}")
-        ids, mask = check_inputs(input_ids, attention_mask, store.spec.vocab_size)
+        if input_ids is None and attention_mask is not None:
+            raise CacheUsageError("attention_mask without input_ids: pass both, or neither and let generate bind the cache")
         self.store = store
         self.store_prompt = store_prompt
-        self._request = PrefixRequest(store, ids, mask)
-        self._guard = PromptGuard(self._request)
+        self._request: PrefixRequest | None = None
+        self._guard: PromptGuard | None = None
         self._written = False
-        req = self._request
-        hidden = req.reused - req.sparse.k if req.sparse is not None else 0
-        super().__init__(layers=[ImpressLayer(req.reused, hidden) for _ in range(store.spec.num_layers)])
+        #: rows of the whole prefix read in the background (``decode="full"``), in the
+        #: batch's current order; None while no such read is pending
+        self._restore_rows: torch.Tensor | None = None
+        super().__init__(layers=[ImpressLayer() for _ in range(store.spec.num_layers)])
         install_hooks(store.model, ImpressCache)
+        if input_ids is not None:
+            self.bind(input_ids, attention_mask)
+
+    # -- binding ---------------------------------------------------------------------------
+    @property
+    def is_bound(self) -> bool:
+        """Whether the cache knows its prompt (given up front, or seen by ``generate``)."""
+        return self._request is not None
+
+    def bind(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, reuse: bool = True) -> None:
+        """Find and lease the stored prefix of this prompt and start loading it.
+
+        Called by the constructor when it gets ``input_ids``, else by the hooks when
+        ``generate`` (or a first forward, with ``reuse=False``) sees the cache.
+        """
+        if self._request is not None:
+            raise CacheUsageError("this ImpressCache is bound to a prompt already; build a new ImpressCache per request")
+        ids, mask = check_inputs(input_ids, attention_mask, self.store.spec.vocab_size)
+        req = PrefixRequest(self.store, ids, mask, reuse=reuse)
+        hidden = req.reused - req.sparse.k if req.sparse is not None else 0
+        for layer in self.layers:
+            layer.start_with(req.reused, hidden)
+        self._request = req
+        self._guard = PromptGuard(req)
+
+    def _bound(self) -> PrefixRequest:
+        if self._request is None:
+            raise CacheUsageError(
+                "this ImpressCache has no prompt: pass it to generate (or to a forward) of the model its store was "
+                "opened with, or build it with ImpressCache(store, input_ids, attention_mask=...). If "
+                "remove_hooks(model) ran after the cache was built, build a new cache"
+            )
+        return self._request
 
     # -- what users read ---------------------------------------------------------------
     @property
     def stats(self) -> RequestStats:
-        """What this request reused, computed, read and wrote (see `RequestStats`)."""
-        return self._request.stats
+        """What this request reused, computed, read and wrote (see `RequestStats`);
+        empty until the cache is bound."""
+        return self._request.stats if self._request is not None else RequestStats()
 
     @property
     def reused_tokens(self) -> int:
         """Columns of the prompt served from the store (the same for every row)."""
-        return self._request.reused
+        return self._request.reused if self._request is not None else 0
 
     @property
     def selections(self) -> dict[int, dict[int, torch.Tensor]]:
         """Sparse prefill: ``selections[layer][batch_row]`` = prefix positions attended
         (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``)."""
-        sparse = self._request.sparse
+        sparse = self._request.sparse if self._request is not None else None
         return {} if sparse is None else sparse.selections
 
     # -- called by the hooks -------------------------------------------------------------
     @property
     def wants_queries(self) -> bool:
         """True while a sparse prefill still needs the new tokens' queries."""
-        return self._request.sparse is not None and not self._written
+        return self._request is not None and self._request.sparse is not None and not self._written
 
     def capture_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
-        sparse = self._request.sparse
+        sparse = self._bound().sparse
         if sparse is not None and not self.layers[layer_idx].is_initialized:
             sparse.capture(layer_idx, queries)
+
+    def begin_generate(self, input_ids: Any, attention_mask: torch.Tensor | None) -> None:
+        """``generate`` got this cache: bind it to the prompt, or refuse a second request."""
+        if self._request is None:
+            self.bind(input_ids, attention_mask)
+        elif self._guard is not None and self._guard.state != "ready":
+            raise CacheUsageError(
+                "this ImpressCache already served a request; build a new ImpressCache for every generate call"
+            )
 
     def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """``generate`` shows the whole prompt (the forward only sees the tokens after the
         reused prefix): it must be the one the cache was built for."""
+        self._bound()
+        assert self._guard is not None
         self._guard.check_prompt(input_ids, attention_mask, self.expand)
 
     def check_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
-        """Before every model forward that uses this cache."""
-        if self._request.prefill_started is None:
-            self._request.prefill_started = time.perf_counter()
-        if self._guard.check_forward(input_ids, attention_mask, self.expand) and self._request.full_pending:
-            keys, values = self._request.take_full_prefix()
+        """Before every model forward that uses this cache; an unbound cache binds to the
+        forward's input as its whole prompt (nothing to reuse: the forward computes it all)."""
+        if self._request is None and isinstance(input_ids, torch.Tensor):
+            mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+            self.bind(input_ids, mask, reuse=False)
+        req = self._bound()
+        assert self._guard is not None
+        if req.prefill_started is None:
+            req.prefill_started = time.perf_counter()
+        if self._guard.check_forward(input_ids, attention_mask, self.expand) and req.full_pending:
+            keys, values = req.take_full_prefix()
+            rows = self._restore_rows
+            self._restore_rows = None
             for i, layer in enumerate(self.layers):
-                layer.restore_prefix(keys[i], values[i])
+                layer.restore_prefix(keys[i][rows], values[i][rows])
 
     # -- the cache protocol --------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # 5.24 passes the attention module's kwargs as update(..., kwargs=...): they go on to the layer
+        req = self._bound()
+        assert self._guard is not None
         layer = self.layers[layer_idx]
-        req = self._request
         if not layer.is_initialized and req.reused > 0:
             layer.place(*req.prefix_for(layer_idx, key_states))
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -212,9 +303,41 @@ class ImpressCache(Cache):
         ):
             self._written = True
             req.finish_prefill([la.keys for la in self.layers], [la.values for la in self.layers], self.store_prompt)
+            if req.full_pending:
+                self._restore_rows = torch.arange(req.ids.shape[0])
         return keys, values
 
     def expand(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
         self.batch_repeat_interleave(repeats)
-        self._request.expand(repeats)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times: held rows, prefix rows not placed yet, and the
+        prompt the hooks check against."""
+        super().batch_repeat_interleave(repeats)
+        if self._restore_rows is not None:
+            self._restore_rows = self._restore_rows.repeat_interleave(repeats)
+        if self._request is not None:
+            self._request.expand(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (held, not placed yet, and the prompt checked)."""
+        self._rows_changed(indices, "batch_select_indices")
+        super().batch_select_indices(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``j`` becomes row ``beam_idx[j]``, for everything the cache holds."""
+        self._rows_changed(beam_idx, "reorder_cache")
+        super().reorder_cache(beam_idx)
+
+    def _rows_changed(self, indices: torch.Tensor, what: str) -> None:
+        req = self._request
+        if req is None:
+            return
+        idx = indices.to("cpu", torch.long)
+        req.select_rows(idx)
+        if self._restore_rows is not None:
+            self._restore_rows = self._restore_rows[idx]
+
+    def reset(self) -> None:
+        raise CacheUsageError("an ImpressCache cannot be reset; build a new ImpressCache for every request")

@@ -77,6 +77,12 @@ class PromptGuard:
         if input_ids is None:
             raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
         self.match_batch(input_ids.shape[0], expand)
+        seq = self.ids.shape[1]
+        if input_ids.shape[1] > seq and torch.equal(input_ids[:, :seq].to("cpu"), self.ids):
+            raise CacheUsageError(
+                "generate ran more tokens than the prompt in its first step (assisted or prompt-lookup decoding); "
+                "that is not supported with an ImpressCache"
+            )
         if input_ids.shape != self.ids.shape or not torch.equal(input_ids.to("cpu"), self.ids):
             raise CacheUsageError(_SAME_IDS.format(where="generate"))
         mask = torch.ones_like(self.ids, dtype=torch.bool) if attention_mask is None else attention_mask.to("cpu").bool()
@@ -99,6 +105,12 @@ class PromptGuard:
                 )
             return True
         start = self.reused if self.state == "ready" else self._consumed
+        if q > seq - start and self.state == "ready" and start > 0:
+            raise CacheUsageError(
+                f"the model got {q} tokens, but this ImpressCache holds {start} of the prompt's {seq} and expected the "
+                f"other {seq - start}: the caller did not ask the cache its length first (assisted and prompt-lookup "
+                "decoding do not); that is not supported with an ImpressCache"
+            )
         if q > seq - start or not torch.equal(input_ids.to("cpu"), self.ids[:, start : start + q]):
             raise CacheUsageError(_SAME_IDS.format(where="the model"))
         if attention_mask is not None and attention_mask.dim() == 2:

@@ -1,15 +1,26 @@
-"""Hooks on a model: checks of what ``generate`` passes to an ImpressCache, and query capture.
+"""Hooks on a model: binding and checks of what ``generate`` passes to an ImpressCache, and
+query capture.
 
 Installed once per model (under a lock, so threads building their first caches on one
 model install them exactly once) by the first `ImpressCache` built for it, and removed
-with `remove_hooks`. Every hook returns at once unless the call carries an ImpressCache,
-so a plain ``generate`` (another cache, ``inputs_embeds``, assisted decoding) runs as if
-the hooks were not there:
+with `remove_hooks`. Every hook returns at once unless the call carries an ImpressCache
+(under either name, ``cache`` or ``past_key_values``), so a plain ``generate`` (another
+cache, ``inputs_embeds``, assisted decoding) runs as if the hooks were not there:
 
-* a forward pre-hook on the model checks that every forward runs the next expected
-  tokens of the cache's prompt (`PromptGuard.check_forward`);
+* a wrapper of ``generate`` (same signature) binds an unbound cache to the prompt and
+  mask ``generate`` received, before ``generate`` asks the cache its length, and
+  refuses a cache that already served a request and the generation features a stored
+  prefix cannot serve (`compat.unsupported_generation`);
 * a wrapper of ``prepare_inputs_for_generation`` (same signature, so ``generate``'s
-  feature checks still see its parameters) shows the cache the whole prompt;
+  feature checks still see its parameters) shows the cache the whole prompt. When the
+  cache is still unbound there, ``generate`` was looked up before the hooks existed:
+  ``model.generate(..., cache=ImpressCache(store))`` as the first call for a model
+  evaluates ``model.generate`` before it builds the cache. The wrapper then binds the
+  cache to the prompt of the prefill and tells ``generate`` to run only the tokens
+  after the reused prefix (``next_sequence_length``, which both 5.23 and 5.24 pass);
+* a forward pre-hook on the model checks that every forward runs the next expected
+  tokens of the cache's prompt (`PromptGuard.check_forward`), and binds an unbound
+  cache to a plain forward's input;
 * on every attention module with a ``q_proj``, a pre-hook notes the rotary
   ``position_embeddings`` when a sparse prefill needs the layer's queries, and a forward
   hook on the module producing the queries (``q_norm`` where the architecture has one,
@@ -27,7 +38,8 @@ from typing import Any
 
 import torch
 
-from .compat import cache_argument
+from ..errors import CacheUsageError
+from .compat import cache_argument, generate_attention_mask, unsupported_generation
 
 _lock = threading.Lock()
 _capture = threading.local()
@@ -36,7 +48,8 @@ _capture = threading.local()
 @dataclass
 class _Installed:
     handles: list[Any] = field(default_factory=list)
-    prepare: Callable[..., Any] | None = None
+    #: instance attributes that wrap the class's methods (deleted on removal)
+    wrapped: list[str] = field(default_factory=list)
 
 
 _installed: "weakref.WeakKeyDictionary[torch.nn.Module, _Installed]" = weakref.WeakKeyDictionary()
@@ -56,25 +69,19 @@ def install_hooks(model: torch.nn.Module, cache_type: type) -> None:
         done = _Installed()
         done.handles.append(model.register_forward_pre_hook(_model_pre_hook(cache_type), with_kwargs=True))
         done.handles.extend(_install_query_capture(model, cache_type))
-        original = model.prepare_inputs_for_generation
-
-        @functools.wraps(original)
-        def prepare_inputs_for_generation(*args: Any, **kwargs: Any) -> Any:
-            cache = cache_argument(kwargs)
-            if isinstance(cache, cache_type):
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                cache.check_prompt(ids, kwargs.get("attention_mask"))
-            return original(*args, **kwargs)
-
-        model.prepare_inputs_for_generation = prepare_inputs_for_generation
-        done.prepare = original
+        model.prepare_inputs_for_generation = _prepare_wrapper(model.prepare_inputs_for_generation, cache_type)
+        model.generate = _generate_wrapper(model, model.generate, cache_type)
+        done.wrapped = ["prepare_inputs_for_generation", "generate"]
         _installed[model] = done
 
 
 def remove_hooks(model: torch.nn.Module) -> bool:
     """Remove everything `install_hooks` put on ``model``; returns whether there was any.
 
-    The next `ImpressCache` built for the model installs them again.
+    The forward hooks go, and ``model.generate`` and ``model.prepare_inputs_for_generation``
+    are the class's methods again. The next `ImpressCache` built for the model installs
+    the hooks again; a cache built before the removal and not yet bound can no longer
+    bind (using it raises `CacheUsageError`).
     """
     with _lock:
         done = _installed.pop(model, None)
@@ -82,9 +89,68 @@ def remove_hooks(model: torch.nn.Module) -> bool:
             return False
         for handle in done.handles:
             handle.remove()
-        if "prepare_inputs_for_generation" in vars(model):
-            del model.prepare_inputs_for_generation
+        for name in done.wrapped:
+            if name in vars(model):
+                delattr(model, name)
         return True
+
+
+def _generate_wrapper(model: torch.nn.Module, original: Callable[..., Any], cache_type: type) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        cache = cache_argument(kwargs)
+        if isinstance(cache, cache_type):
+            _begin_generate(model, cache, args, kwargs)
+        return original(*args, **kwargs)
+
+    return generate
+
+
+def _begin_generate(model: torch.nn.Module, cache: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse what a stored prefix cannot serve; bind the cache to the prompt."""
+    feature = unsupported_generation(model, kwargs)
+    if feature is not None:
+        raise CacheUsageError(
+            f"{feature} is not supported with an ImpressCache: transformers runs the prompt and draft tokens in "
+            "its first step without asking the cache what it holds. Generate without it, or without the ImpressCache"
+        )
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if ids is None:
+        raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = generate_attention_mask(ids, kwargs.get("generation_config") or model.generation_config, kwargs)
+    cache.begin_generate(ids, mask)
+
+
+def _prepare_wrapper(original: Callable[..., Any], cache_type: type) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prepare_inputs_for_generation(*args: Any, **kwargs: Any) -> Any:
+        cache = cache_argument(kwargs)
+        if isinstance(cache, cache_type):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not cache.is_bound:
+                kwargs = _bind_in_prefill(cache, ids, kwargs)
+            cache.check_prompt(ids, kwargs.get("attention_mask"))
+        return original(*args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
+def _bind_in_prefill(cache: Any, ids: Any, kwargs: dict) -> dict:
+    """``generate`` did not go through its wrapper and asked the unbound cache its length
+    (0): bind now, and run only the tokens after the reused prefix."""
+    if kwargs.get("inputs_embeds") is not None:
+        raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
+    n = kwargs.get("next_sequence_length")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and kwargs.get("is_first_iteration") and n == ids.shape[1]):
+        raise CacheUsageError(
+            "generate did not show this unbound ImpressCache its whole prompt in one prefill step (assisted decoding, "
+            "chunked prefill and continuing from cached inputs are not supported); build the cache with "
+            "ImpressCache(store, input_ids, attention_mask=...) to get the check that fails"
+        )
+    cache.bind(ids, kwargs.get("attention_mask"))
+    return {**kwargs, "next_sequence_length": ids.shape[1] - cache.reused_tokens}
 
 
 def _model_pre_hook(cache_type: type) -> Callable[..., None]:

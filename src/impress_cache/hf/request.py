@@ -37,14 +37,20 @@ from .sparse import SparsePrefill
 class PrefixRequest:
     """Match, lease and start loading the stored prefix of one request."""
 
-    def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor, reuse: bool = True) -> None:
         self.store = store
         self.ids = ids
         self.mask = mask
+        #: False: match nothing (a forward that computes the whole prompt; it is still stored)
+        self.reuse = reuse
         self.stats = RequestStats()
         #: columns of the prompt served from the store (the same for every row)
         self.reused = 0
-        self.repeats = 1
+        #: row ``i`` of the batch ``generate`` runs is row ``rows[i]`` of the prompt the
+        #: request was planned for (``num_return_sequences``, beams and row selections
+        #: change the batch; the loaders work on the planned rows)
+        self.rows = torch.arange(ids.shape[0])
+        self._planned = (ids, mask)
         self.sparse: SparsePrefill | None = None
         self._dense: DenseLoader | None = None
         self._lease: PrefixLease | None = None
@@ -71,7 +77,7 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
-        matches = [store.match(toks.numpy(), limit=len(toks) - 1) for toks in rows]
+        matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
         self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
         for i, (toks, m) in enumerate(zip(rows, matches)):
             used = max(0, reused - pads[i])
@@ -90,7 +96,7 @@ class PrefixRequest:
         room = self.ids.shape[1] - reused
         if k < reused:
             probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats)
-            self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room)
+            self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room, self)
         else:
             self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats)
 
@@ -118,8 +124,8 @@ class PrefixRequest:
         except CorruptBlockError as exc:
             self._recover(exc)
             return self.prefix_for(layer, key_states)
-        if self.repeats > 1:
-            buf = buf.repeat_interleave(self.repeats, dim=1)
+        if self.sparse is None and not torch.equal(self.rows, torch.arange(len(self.rows))):
+            buf = buf.index_select(1, self.rows)  # dense buffers hold the planned rows
         return buf, held
 
     def _recover(self, exc: CorruptBlockError) -> None:
@@ -132,8 +138,7 @@ class PrefixRequest:
             self._dense.cancel()
         if self.sparse is not None and self.sparse.probes is not None:
             self.sparse.probes.cancel()
-        base = self.ids.shape[0] // self.repeats
-        self._recomputed = recompute_prefix(self.store.model, self.ids[:base], self.mask[:base], self.reused)
+        self._recomputed = recompute_prefix(self.store.model, *self._planned, self.reused)
 
     def _recomputed_layer(self, layer: int) -> torch.Tensor:
         assert self._recomputed is not None
@@ -152,7 +157,8 @@ class PrefixRequest:
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full" and self._recomputed is None:
-                self._full = self.store.fetcher.submit(self.sparse.load_full, self.ids.shape[0], self.reused)
+                # the batch's rows as they are now: later reorders apply to the result
+                self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
             else:
                 self.release_lease()
             return
@@ -173,10 +179,9 @@ class PrefixRequest:
         except CorruptBlockError as exc:
             self.store.quarantine(exc.file_id, str(exc))
             self.stats.quarantined_files += 1
-            base = self.ids.shape[0] // self.repeats
-            rec = recompute_prefix(self.store.model, self.ids[:base], self.mask[:base], self.reused)
-            keys = torch.stack([k for k, _ in rec]).repeat_interleave(self.repeats, dim=1)
-            values = torch.stack([v for _, v in rec]).repeat_interleave(self.repeats, dim=1)
+            rec = recompute_prefix(self.store.model, *self._planned, self.reused)
+            keys = torch.stack([k for k, _ in rec]).index_select(1, self.rows)
+            values = torch.stack([v for _, v in rec]).index_select(1, self.rows)
             nbytes = blocks = 0
         finally:
             self.release_lease()
@@ -188,11 +193,13 @@ class PrefixRequest:
 
     def expand(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (for ``num_return_sequences`` or beams)."""
-        self.repeats *= repeats
-        if self.sparse is not None:
-            self.sparse.repeats *= repeats
-        self.ids = self.ids.repeat_interleave(repeats, 0)
-        self.mask = self.mask.repeat_interleave(repeats, 0)
+        self.select_rows(torch.arange(self.ids.shape[0]).repeat_interleave(repeats))
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """The batch becomes rows ``idx`` of the current one (repeats, beams, selections)."""
+        self.rows = self.rows[idx]
+        self.ids = self.ids[idx]
+        self.mask = self.mask[idx]
 
     def _store_prompt(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor]) -> None:
         """Hand every distinct row's K/V (``[batch, kv_heads, >= seq, head_dim]`` per layer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,14 +39,16 @@ class SparsePrefill:
         probes: ProbeLoader | None,
         stats: RequestStats,
         room: int,
+        batch: Any,
     ) -> None:
         self.store = store
+        #: the request: its ``rows`` map the running batch to the planned rows
+        self._batch = batch
         self.k = k
         self.layouts = layouts
         self.probes = probes
         self.stats = stats
         self.room = room
-        self.repeats = 1
         #: blocks this request has read, by key (the decode-time read skips them)
         self.memo: dict[BlockKey, torch.Tensor] = {}
         #: ``selections[layer][batch_row]``: prefix positions attended (relative to the
@@ -58,8 +61,8 @@ class SparsePrefill:
         self._ahead_hits = self._ahead_needed = 0
 
     def row_of(self, i: int) -> int:
-        """Original batch row of (possibly expanded) row ``i``."""
-        return i // self.repeats
+        """The planned row that running batch row ``i`` is (repeats, beams, selections)."""
+        return int(self._batch.rows[i])
 
     def capture(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
@@ -228,17 +231,17 @@ class SparsePrefill:
         self.stats.bytes_unattended_rows = p.kv_unattended_bytes
         self.stats.invalid_io_ratio = invalid_io_ratio(p.kv_unattended_bytes, p.kv_disk_bytes)
 
-    def load_full(self, batch: int, reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Every prefix row of every batch row (the blocks read during the prefill are
-        reused): ``[layers, batch, kv_heads, reused, head_dim]`` keys and values, bytes
-        and blocks read from disk."""
+    def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Every prefix row of the planned batch rows ``rows`` (the blocks read during the
+        prefill are reused): ``[layers, len(rows), kv_heads, reused, head_dim]`` keys and
+        values, bytes and blocks read from disk."""
         spec = self.store.spec
-        shape = (spec.num_layers, batch, spec.num_kv_heads, reused, spec.head_dim)
+        shape = (spec.num_layers, len(rows), spec.num_kv_heads, reused, spec.head_dim)
         keys = torch.zeros(shape, dtype=spec.torch_kv_dtype)
         values = torch.zeros(shape, dtype=spec.torch_kv_dtype)
         nbytes = blocks = 0
-        for i in range(batch):
-            lay = self.layouts[self.row_of(i)]
+        for i, row in enumerate(rows):
+            lay = self.layouts[row]
             if lay is None:
                 continue
             pad = reused - lay.length
