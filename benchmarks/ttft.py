@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import corpus_tokens  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
+from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
 from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
@@ -119,7 +120,7 @@ def _median(xs: list[float]) -> float:
 @torch.no_grad()
 def first_token(model: Any, ids: torch.Tensor, cache: Any = None) -> tuple[int, float]:
     t0 = time.perf_counter()
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(ids, max_new_tokens=1, do_sample=False, **kwargs)
     return int(out[0, -1]), time.perf_counter() - t0
 
@@ -186,7 +187,7 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
     store_dir = work / f"store-{length}"
     with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **TIERS_OFF)) as store, torch.no_grad():
         first = torch.tensor([prefix + question[:1]])
-        model(first, past_key_values=ImpressCache(store, first), use_cache=True)
+        model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
     for name, cfg in IMPRESS.items():
         if args.methods and name not in args.methods:
             continue
