@@ -105,7 +105,7 @@ class DenseLoader:
 
     def _start(self, layer: int) -> tuple[int, list[Any]]:
         return layer, [
-            None if lay is None else self._store.start_layout(lay, KV, [layer]) for lay in self._layouts
+            None if lay is None else self._store.start_layout(lay, KV, [layer], place_hits=False) for lay in self._layouts
         ]
 
     def _gather(self, started: tuple[int, list[Any]]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from ..errors import CacheUsageError, CorruptBlockError
 from ..selection.modes import BASELINES
 from ..selection.selectors import RowSelection, select_row
 from ..stats import RequestStats
-from ..storage.base import KV, BlockKey
+from ..storage.base import KV
 from ..store.blocks import PendingRead
 from ..store.blockset import BlockSet, ReadStats, invalid_io_ratio
 from ..store.layout import PrefixLayout
@@ -50,7 +50,7 @@ class SparsePrefill:
         self.stats = stats
         self.room = room
         #: blocks this request has read, by key (the decode-time read skips them)
-        self.memo: dict[BlockKey, torch.Tensor] = {}
+        self.memo: dict[int, torch.Tensor] = {}
         #: ``selections[layer][batch_row]``: prefix positions attended (relative to the
         #: row's first real token; ``[k]`` shared or ``[kv_heads, k]``)
         self.selections: dict[int, dict[int, torch.Tensor]] = {}
@@ -193,17 +193,21 @@ class SparsePrefill:
             wanted = set(units)
             pre = pending.result([float(share[u]) if u in wanted else 0.0 for u in pre_units])
             self._count(pre.stats)
-            for j, key in enumerate(lay.keys(pre_units, KV, layer_idx)):
-                self.memo.setdefault(key, pre.block(j))
+            self._remember(lay, layer_idx, pre_units, pre)
             self._ahead_hits += len(wanted.intersection(pre_units))
             self._ahead_needed += len(units)
         blocks = self.store.start_layout(
             lay, KV, [layer_idx], units, [float(share[u]) for u in units], known=self.memo
         ).result()
-        for i, key in enumerate(lay.keys(units, KV, layer_idx)):
-            self.memo.setdefault(key, blocks.block(i))
+        self._remember(lay, layer_idx, units, blocks)
         self.stats.io_wait_seconds += time.perf_counter() - t0
         return blocks
+
+    def _remember(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int], blocks: BlockSet) -> None:
+        """Keep the blocks read (by `block_code`) for the decode-time read of the prefix."""
+        slots = blocks.pool.unbind(0)
+        for code, slot in zip(lay.codes(units, layer_idx), blocks.slot_of):
+            self.memo.setdefault(code, slots[slot])
 
     def _count(self, read: ReadStats) -> None:
         self._prefill.add(read)

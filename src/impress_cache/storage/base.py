@@ -43,6 +43,14 @@ PROBE = 1
 #: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
 BlockKey = tuple[int, int, int, int]
 
+_LAYER_BITS, _BLOCK_BITS = 12, 20
+
+
+def block_code(file_id, layer, block):  # type: ignore[no-untyped-def]
+    """One integer for a block of one kind (ints or int64 numpy arrays): cheaper to
+    build and look up than a `BlockKey` on the read path's hot loops."""
+    return (file_id << (_LAYER_BITS + _BLOCK_BITS)) | (layer << _BLOCK_BITS) | block
+
 
 @dataclass
 class BlockTable:

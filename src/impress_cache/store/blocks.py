@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..model_info import ModelSpec
-from ..storage.base import KV, BlockKey
+from ..storage.base import KV, BlockKey, block_code
 from ..storage.reader import BlockReader, FileBlocks, ReadBatch
 from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
@@ -30,7 +30,6 @@ from .layout import PrefixLayout
 
 #: where a block lookup was served from
 SOURCES = (DEVICE, HOST, "disk")
-_LAYER_BITS, _BLOCK_BITS = 12, 20
 
 
 def _zero_sources() -> dict[str, dict[str, list[int]]]:
@@ -82,6 +81,7 @@ class _Plan:
     decode: bool
     pool: torch.Tensor
     keys: list[BlockKey] | None = None
+    held: dict[int, torch.Tensor] = field(default_factory=dict)
     source: dict[int, str] = field(default_factory=dict)
     disk: np.ndarray | None = None
     batch: ReadBatch | None = None
@@ -145,7 +145,7 @@ class BlockIO:
         shares: Sequence[float | None] | None = None,
         *,
         decode: bool = False,
-        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        known: Mapping[int, torch.Tensor] | None = None,
     ) -> BlockSet:
         """Blocks ``(file_id, kind, layer, block)`` of one kind, memory tiers first.
 
@@ -162,8 +162,10 @@ class BlockIO:
             them: their accesses count with share 0 and they are left out of the
             importance metrics (important-KV hit rate, invalid I/O).
         known:
-            Blocks this request already holds (``key -> block``): copied into the pool
-            without a lookup, a read or an access.
+            Blocks of this kind the request already holds (`block_code` -> block, a
+            ``[2, kv_heads, rows, head_dim]`` or ``[rows, record]`` tensor, possibly with
+            more rows than the block has): copied into the pool without a lookup, a read
+            or an access.
 
         Raises
         ------
@@ -189,22 +191,25 @@ class BlockIO:
         shares: Sequence[float | None] | None = None,
         *,
         decode: bool = False,
-        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        known: Mapping[int, torch.Tensor] | None = None,
+        place_hits: bool = True,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` (default: all) of ``layout`` for every layer
         in ``layers``; key ``i * len(units) + j`` is unit ``units[j]`` of ``layers[i]``.
-        ``shares`` has one entry per unit (the same in every layer)."""
+        ``shares`` has one entry per unit (the same in every layer). With
+        ``place_hits=False`` memory-tier hits are not copied into the pool but held
+        (`BlockSet.held`): a caller that copies blocks out once (`gather_into`) saves a copy."""
         u = np.arange(len(layout.units)) if units is None else np.asarray(units, dtype=np.int64)
         files = np.tile(layout.unit_files[u], len(layers))
         blocks = np.tile(layout.unit_blocks[u], len(layers))
         lay = np.repeat(np.asarray(layers, dtype=np.int64), len(u))
         per_key = None if shares is None else list(shares) * len(layers)
-        return self._start(kind, files, lay, blocks, per_key, decode, known)
+        return self._start(kind, files, lay, blocks, per_key, decode, known, place_hits)
 
     # -- steps -----------------------------------------------------------------------
-    def _start(self, kind, files, layers, blocks, shares, decode, known) -> PendingRead:  # type: ignore[no-untyped-def]
+    def _start(self, kind, files, layers, blocks, shares, decode, known, place_hits=True) -> PendingRead:  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        code = (files << (_LAYER_BITS + _BLOCK_BITS)) | (layers << _BLOCK_BITS) | blocks
+        code = block_code(files, layers, blocks)
         uniq, first, inverse = np.unique(code, return_index=True, return_inverse=True)
         s_files, s_layers, s_blocks = files[first], layers[first], blocks[first]
         n = len(uniq)
@@ -229,23 +234,26 @@ class BlockIO:
             self._pool(kind, n, int(rows.max()) if n else 1), t0=t0,
         )
         disk = np.ones(n, dtype=bool)
-        if known or self._tiers.enabled:
-            plan.keys = [(int(f), kind, int(la), int(bl)) for f, la, bl in zip(s_files, s_layers, s_blocks)]
         if known:
-            for s, key in enumerate(plan.keys or ()):
-                if key in known:
-                    self._place(plan.pool, kind, s, known[key])
-                    disk[s] = False
-                    plan.source[s] = "known"
+            held = [(s, known[c]) for s, c in enumerate(uniq.tolist()) if c in known]
+            self._place_many(plan.pool, kind, held)
+            for s, _ in held:
+                disk[s] = False
+                plan.source[s] = "known"
+        if self._tiers.enabled:
+            plan.keys = [(int(f), kind, int(la), int(bl)) for f, la, bl in zip(s_files, s_layers, s_blocks)]
         if self._tiers.enabled and plan.keys is not None:
             todo = np.flatnonzero(disk).tolist()
             found = self._tiers.lookup(
-                [plan.keys[s] for s in todo], [float(share_arr[s]) for s in todo], [int(nbytes[s]) for s in todo]
+                [plan.keys[s] for s in todo], share_arr[todo].tolist(), nbytes[todo].tolist()
             )
+            hits = [(s, hit[1]) for s, hit in zip(todo, found) if hit is not None]
+            if not place_hits:  # blocks on the pool's device are used where they are
+                plan.held.update((slot, b) for slot, b in hits if b.device == plan.pool.device)
+            self._place_many(plan.pool, kind, [(slot, b) for slot, b in hits if slot not in plan.held])
             for s, hit in zip(todo, found):
                 if hit is not None:
                     plan.source[s] = hit[0]
-                    self._place(plan.pool, kind, s, hit[1])
                     disk[s] = False
         plan.disk = np.flatnonzero(disk)
         if len(plan.disk):
@@ -275,7 +283,7 @@ class BlockIO:
                 r = int(plan.rows[s])  # a short block landed at the start of its slot: spread its rows
                 raw = pool[s].reshape(-1)[: 2 * spec.num_kv_heads * r * spec.head_dim].clone()
                 pool[s, :, :, :r] = raw.view(2, spec.num_kv_heads, r, spec.head_dim)
-        if self._tiers.enabled and plan.keys is not None:
+        if plan.keys is not None:
             if len(plan.disk):
                 self._tiers.admit(
                     [
@@ -287,7 +295,7 @@ class BlockIO:
             self._on_access(k for s, k in enumerate(plan.keys) if plan.source.get(s) != "known")
         stats = self._account(plan, nbytes_disk)
         stats.seconds = time.perf_counter() - plan.t0
-        return BlockSet(kind, pool, plan.rows.tolist(), plan.slot_of, stats)
+        return BlockSet(kind, pool, plan.rows.tolist(), plan.slot_of, stats, plan.held)
 
     def _kv_row_bytes(self) -> int:
         spec = self._spec
@@ -300,11 +308,29 @@ class BlockIO:
         return torch.empty((slots, slot_rows, self._probe_record), dtype=torch.uint8)
 
     @staticmethod
-    def _place(pool: torch.Tensor, kind: int, slot: int, block: torch.Tensor) -> None:
-        if kind == KV:
-            pool[slot, :, :, : block.shape[2]].copy_(block)
-        else:
-            pool[slot, : block.shape[0]].copy_(block)
+    def _place_many(pool: torch.Tensor, kind: int, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy blocks into their slots: whole-slot blocks with one stacked copy, the rest
+        one by one (a block may carry more rows than the slot uses)."""
+        rows_dim = 2 if kind == KV else 0
+        s = pool.shape[rows_dim + 1]
+        whole = [(slot, b) for slot, b in blocks if b.shape[rows_dim] == s and b.device == pool.device]
+        i = 0
+        while i < len(whole):  # runs of consecutive slots: one stack straight into the pool
+            j = i + 1
+            while j < len(whole) and whole[j][0] == whole[j - 1][0] + 1:
+                j += 1
+            lo = whole[i][0]
+            torch.stack([b for _, b in whole[i:j]], out=pool[lo : lo + j - i])
+            i = j
+        for slot, b in blocks:
+            r = b.shape[rows_dim]
+            if r == s and b.device == pool.device:
+                continue
+            r = min(r, s)
+            if kind == KV:
+                pool[slot, :, :, :r].copy_(b[:, :, :r])
+            else:
+                pool[slot, :r].copy_(b[:r])
 
     def _owned(self, pool: torch.Tensor, kind: int, slot: int, rows: int) -> torch.Tensor:
         """A block's own copy for the memory tiers (pinned when CUDA is available)."""

@@ -47,6 +47,9 @@ class BlockSet:
     ``pool`` holds one block per slot: K/V blocks as ``[slots, 2, kv_heads, S, head_dim]``
     (the first ``rows[slot]`` rows valid), probe pieces as ``uint8 [slots, S, record]``.
     ``slot_of[i]`` is the slot of the ``i``-th key asked for (duplicates share a slot).
+    ``held`` maps slots whose block was not copied into the pool (a memory-tier hit read
+    with ``place_hits=False``) to the block itself; `slot` and `gather_into` use it,
+    `placed` copies it into the pool for the index-based gathers.
     """
 
     kind: int
@@ -54,6 +57,22 @@ class BlockSet:
     rows: list[int]
     slot_of: list[int]
     stats: ReadStats = field(default_factory=ReadStats)
+    held: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The block in a slot, as a tensor with the slot's row capacity or fewer rows."""
+        block = self.held.get(slot)
+        return self.pool[slot] if block is None else block
+
+    def placed(self) -> BlockSet:
+        """This set with every held block copied into the pool (for index-based gathers)."""
+        for slot, block in self.held.items():
+            if self.kind == KV:
+                self.pool[slot, :, :, : block.shape[2]].copy_(block)
+            else:
+                self.pool[slot, : block.shape[0]].copy_(block)
+        self.held = {}
+        return self
 
     @property
     def slot_rows(self) -> int:
@@ -63,6 +82,7 @@ class BlockSet:
     def block(self, i: int) -> torch.Tensor:
         """The ``i``-th key's block: ``[2, kv_heads, rows, head_dim]`` or ``[rows, record]``."""
         slot = self.slot_of[i]
+        block = self.slot(slot)
         if self.kind == KV:
-            return self.pool[slot, :, :, : self.rows[slot]]
-        return self.pool[slot, : self.rows[slot]]
+            return block[:, :, : self.rows[slot]]
+        return block[: self.rows[slot]]

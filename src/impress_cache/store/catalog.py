@@ -225,6 +225,8 @@ class Catalog:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
                     raise CorruptBlockError(f"chunk file {f.path} is not a regular file", f.record.id)
+                # blocks are read where the request needs them: no kernel read-ahead past them
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 f.fd = fd
             return f.fd
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..index.radix import Segment
-from ..storage.base import KV, BlockKey
+from ..storage.base import KV, BlockKey, block_code
 from .blockset import BlockSet
 
 
@@ -68,6 +68,11 @@ class PrefixLayout:
         """Block keys of ``units`` for one layer."""
         return [(self.units[u].file_id, kind, layer, self.units[u].block) for u in units]
 
+    def codes(self, units: Sequence[int], layer: int) -> list[int]:
+        """`store.blocks.block_code` of the blocks of ``units`` for one layer."""
+        u = np.asarray(units, dtype=np.int64)
+        return block_code(self.unit_files[u], layer, self.unit_blocks[u]).tolist()
+
     def row_index(
         self, units: Sequence[int], slots: Sequence[int], slot_rows: int, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -98,7 +103,7 @@ class PrefixLayout:
         """
         if blocks.kind != KV:
             raise ValueError("gather reads K/V blocks; use gather_rows for probe pieces")
-        pool = blocks.pool
+        pool = blocks.placed().pool
         _, _, heads, s, dim = pool.shape
         idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], s, positions)
         k = idx.shape[-1]
@@ -129,29 +134,29 @@ class PrefixLayout:
         """Every position of ``units`` (in order) into ``out``, a ``[2, heads, positions,
         head_dim]`` tensor or view (keys, then values).
 
-        Runs of whole blocks in consecutive pool slots are copied with one strided copy
-        each (no index); only units that cover part of a block are copied one by one.
+        Runs of whole blocks are stacked straight into ``out`` (one copy per run, no
+        index), whether they sit in the pool or were held apart (memory-tier hits); only
+        units that cover part of a block are copied one by one.
         """
-        pool = blocks.pool
-        s = pool.shape[3]
+        s = blocks.slot_rows
         slots = blocks.slot_of[offset : offset + len(units)]
         infos = [self.units[u] for u in units]
         pos, i, n = 0, 0, len(infos)
         while i < n:
             j = i
-            while (
-                j < n and infos[j].first_row == 0 and infos[j].count == s and slots[j] == slots[i] + (j - i)
-            ):
+            while j < n and infos[j].first_row == 0 and infos[j].count == s:
                 j += 1
-            if j > i:  # whole blocks i .. j - 1, one after the other in the pool
+            if j > i:  # whole blocks i .. j - 1
                 nb = j - i
-                src = pool[slots[i] : slots[i] + nb].permute(1, 2, 0, 3, 4)  # [2, H, nb, S, D]
-                out[:, :, pos : pos + nb * s].unflatten(2, (nb, s)).copy_(src)
+                torch.stack(
+                    [blocks.slot(slot)[:, :, :s] for slot in slots[i:j]], dim=2,
+                    out=out[:, :, pos : pos + nb * s].unflatten(2, (nb, s)),
+                )
                 pos += nb * s
                 i = j
                 continue
             u = infos[i]
-            out[:, :, pos : pos + u.count].copy_(pool[slots[i], :, :, u.first_row : u.first_row + u.count])
+            out[:, :, pos : pos + u.count].copy_(blocks.slot(slots[i])[:, :, u.first_row : u.first_row + u.count])
             pos += u.count
             i += 1
 
@@ -160,6 +165,6 @@ class PrefixLayout:
     ) -> torch.Tensor:
         """``[k, record]`` rows of probe pieces read for ``units`` (keys ``offset ..`` of
         ``blocks``, in unit order)."""
-        pool = blocks.pool
+        pool = blocks.placed().pool
         idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], blocks.slot_rows, positions)
         return pool.reshape(-1, pool.shape[-1]).index_select(0, idx.to(pool.device))

@@ -273,7 +273,7 @@ class ImpressStore:
         shares: Sequence[float | None] | None = None,
         *,
         decode: bool = False,
-        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        known: Mapping[int, torch.Tensor] | None = None,
     ) -> BlockSet:
         """Read blocks ``(file_id, kind, layer, block)`` of one kind: memory tiers first,
         then one batch of disk reads (checksums verified). See `BlockIO.read`."""
@@ -284,14 +284,15 @@ class ImpressStore:
         self,
         segments: Sequence[Segment],
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
-        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        known: Mapping[int, torch.Tensor] | None = None,
         decode: bool = False,
     ) -> LoadedPrefix:
         """Read every K/V row of ``segments`` (a match, possibly cut shorter).
 
         Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
-        Blocks in ``known`` (already read by this request) are not read again;
+        Blocks in ``known`` (`block_code` -> block, already read by this request) are not
+        read again;
         ``decode`` marks the reads as decode-only (see `read_blocks`). Raises
         `CorruptBlockError` when a block is missing or damaged; the caller quarantines
         the file (`quarantine`) and matches again.
@@ -321,12 +322,15 @@ class ImpressStore:
         shares: Sequence[float | None] | None = None,
         *,
         decode: bool = False,
-        known: Mapping[BlockKey, torch.Tensor] | None = None,
+        known: Mapping[int, torch.Tensor] | None = None,
+        place_hits: bool = True,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` of a prefix layout for ``layers`` (the disk
         reads run in the background); see `BlockIO.start_layout`."""
         self._check_open()
-        return self._io.start_layout(layout, kind, layers, units, shares, decode=decode, known=known)
+        return self._io.start_layout(
+            layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits
+        )
 
     def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
         """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""

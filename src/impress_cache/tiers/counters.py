@@ -25,7 +25,15 @@ class TierCounters:
         self.evicted_bytes = {t: 0 for t in TIERS}
 
     def report(self, space: TierSpace) -> dict[str, Any]:
-        """See `TierManager.stats`."""
+        """``gets``; per tier (``"device"``, ``"host"``): ``hits``, ``misses`` (gets not
+        served by the tier), ``hit_ratio``, ``hit_bytes``, ``miss_bytes``,
+        ``byte_hit_ratio``, ``evictions`` and ``evicted_bytes`` (blocks pushed out for
+        space; for the device this includes demotions), ``used_bytes``, ``budget``,
+        ``blocks``, ``class_bytes``; ``"memory"``: the same hit/miss figures for both tiers
+        together (a miss is a disk read); ``promotions``, ``bytes_promoted`` (host to
+        device), ``demotions``, ``bytes_demoted`` (device to host),
+        ``admissions_from_disk``, ``bytes_admitted_from_disk``, ``admissions_refused`` and
+        ``removals`` (explicit evict/drop)."""
         gets = self.gets
         hit_bytes_all = sum(self.hit_bytes.values())
         all_bytes = hit_bytes_all + self.miss_bytes

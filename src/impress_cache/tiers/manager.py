@@ -172,7 +172,7 @@ class TierManager:
                 self._touch(key, share, now)
                 entry = self._where.get(key)
                 found = None if entry is None else entry.tier
-                hit = self._get(key, size, now)
+                hit = self._get(key, size, now, sync=False)  # just touched
                 out.append(None if hit is None or found is None else (found, hit[1]))
             return out
 
@@ -357,18 +357,7 @@ class TierManager:
             return f"TierManager({parts}, policy={self._policy.name})"
 
     def stats(self) -> dict[str, Any]:
-        """Counters since construction or the last `reset_stats`.
-
-        Returns ``gets``; per tier (``"device"``, ``"host"``): ``hits``, ``misses``
-        (gets not served by the tier), ``hit_ratio``, ``hit_bytes``, ``miss_bytes``,
-        ``byte_hit_ratio``, ``evictions`` and ``evicted_bytes`` (blocks pushed out for
-        space; for the device this includes demotions), ``used_bytes``, ``budget``,
-        ``blocks``, ``class_bytes``; ``"memory"``: the same hit/miss figures for both
-        tiers together (a miss is a disk read); ``promotions``, ``bytes_promoted``
-        (host to device), ``demotions``, ``bytes_demoted`` (device to host),
-        ``admissions_from_disk``, ``bytes_admitted_from_disk``, ``admissions_refused``
-        and ``removals`` (explicit evict/drop).
-        """
+        """Counters since construction or the last `reset_stats` (see `TierCounters.report`)."""
         with self._lock:
             return self._c.report(self._space)
 
@@ -391,9 +380,9 @@ class TierManager:
         self._policy.on_access(key, now, share)
         entry = self._where.get(key)
         if entry is not None:
-            self._reposition(entry, now)
+            self._reposition(entry, now, lazy=True)
 
-    def _get(self, key: Hashable, nbytes: int | None, now: float) -> tuple[str, Any] | None:
+    def _get(self, key: Hashable, nbytes: int | None, now: float, sync: bool = True) -> tuple[str, Any] | None:
         c = self._c
         c.gets += 1
         entry = self._where.get(key)
@@ -406,7 +395,8 @@ class TierManager:
         c.hit_bytes[entry.tier] += entry.nbytes
         if entry.tier == HOST and self._promote(entry, now):
             return (DEVICE, self._where[key].payload)
-        self._sync(entry, now)
+        if sync:
+            self._sync(entry, now)
         return (entry.tier, entry.payload)
 
     def _admit(self, key: Hashable, payload: Any, nbytes: int, share: float | None, now: float) -> str | None:
@@ -462,8 +452,14 @@ class TierManager:
         self._heaps.count(entry, -1)
         self._heaps.invalidate(entry)
 
-    def _reposition(self, entry: Resident, now: float) -> None:
-        """Re-read class and key of a resident block after its statistics changed."""
+    def _reposition(self, entry: Resident, now: float, lazy: bool = False) -> None:
+        """Re-read class and key of a resident block after its statistics changed.
+
+        ``lazy``: when only the key grew (the usual effect of an access), the block keeps
+        its heap item: a stale item is lower than the block's key, and `TierHeaps.peek`
+        re-keys an item whose key changed before it can become a victim, so the victim
+        order stays exact while most accesses skip a heap push.
+        """
         cls = self._policy.importance_class(entry.key)
         if cls != entry.cls:
             self._space.remove(entry)
@@ -471,6 +467,9 @@ class TierManager:
             entry.cls = cls
             self._space.add(entry)
             self._heaps.count(entry, +1)
+        elif lazy and self._policy.time_invariant_order and entry.skey is not None:
+            if not self._policy.sort_key(entry.key, now) < entry.skey:
+                return
         self._heaps.push(entry, now)
 
     def _sync(self, entry: Resident, now: float) -> None:
