@@ -16,7 +16,7 @@ P, CT, D, HKV, GROUP, N = 128, 16, 16, 2, 2, 6
 def _layout(n=P):
     tree = RadixTree()
     tree.insert(tuple(range(n)), file_id=0)
-    return PrefixLayout(tree.match(tuple(range(n))).segments, lambda fid: CT)
+    return PrefixLayout(tree.match(tuple(range(n))).segments, lambda fid: CT).at(0)
 
 
 def _kv(seed, planted_per_head):

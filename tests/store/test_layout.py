@@ -66,59 +66,82 @@ def test_hdf5_refuses_bfloat16(tmp_path):
         ImpressStore(tmp_path, _model(), ImpressConfig(kv_dtype="bfloat16"), storage_format="hdf5")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=4),
+    pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40), st.booleans()), min_size=1, max_size=4),
     chunk=st.integers(1, 17),
     per_head=st.booleans(),
+    split=st.booleans(),
     data=st.data(),
 )
-def test_layout_gather_matches_a_row_by_row_copy(pieces, chunk, per_head, data):
-    """`PrefixLayout.gather` (what sparse prefills and `store.load` use) returns exactly
-    the rows a row-by-row walk over the units finds, for shared and per-head positions."""
-    from impress_cache.store.layout import PrefixLayout
+def test_layout_gather_matches_a_row_by_row_copy(pieces, chunk, per_head, split, data):
+    """Every gather of a layer view (shared positions, per-head positions, every position
+    with `gather_into`) returns exactly the rows a row-by-row walk finds, for files in
+    prompt order and files whose layers keep their rows in their own order (reordered),
+    with pieces of one file split into two segments (a split node)."""
     from impress_cache.index.radix import RadixNode, Segment
+    from impress_cache.store.layout import PrefixLayout
 
-    heads, dim = 2, 3
-    # piece i: rows file_row .. file_row + length of file i (blocks of `chunk` rows)
-    segments = [Segment(RadixNode(i, np.arange(n, dtype=np.int32), i, row, None), n) for i, (row, n) in enumerate(pieces)]
-    files = {}
-    for i, (row, n) in enumerate(pieces):
+    heads, dim, layers = 2, 3, 2
+    segments, files, perms = [], {}, {}
+    for i, (row, n, permuted) in enumerate(pieces):
         g = torch.Generator().manual_seed(i)
-        files[i] = torch.randn(2, heads, row + n, dim, generator=g)
-    lay = PrefixLayout(segments, lambda _file: chunk)
-    assert lay.length == sum(n for _, n in pieces)
+        total = row + n
+        # logical rows of file i, per layer: [layers, 2, heads, rows, dim]
+        files[i] = torch.randn(layers, 2, heads, total, dim, generator=g)
+        perms[i] = torch.stack([torch.randperm(total, generator=g) for _ in range(layers)]).numpy() if permuted else None
+        if split and n > 1:  # two consecutive segments of one file, as after a split
+            k = n // 2
+            segments.append(Segment(RadixNode(2 * i, np.arange(k, dtype=np.int32), i, row, None), k))
+            segments.append(Segment(RadixNode(2 * i + 1, np.arange(n - k, dtype=np.int32), i, row + k, None), n - k))
+        else:
+            segments.append(Segment(RadixNode(2 * i, np.arange(n, dtype=np.int32), i, row, None), n))
+    lay = PrefixLayout(segments, lambda _file: chunk, perms.get)
+    assert lay.length == sum(n for _, n, _ in pieces)
+    assert lay.in_order == all(p is None for p in perms.values())
 
-    def blocks(units):  # the whole disk blocks of units, one slot each (a file's last block may be short)
+    def blocks(layer, units):  # the whole disk blocks of units: physical rows of the layer
         pool = torch.zeros(len(units), 2, heads, chunk, dim)
         rows = []
         for slot, u in enumerate(units):
             unit = lay.units[u]
-            b = files[unit.file_id][:, :, unit.block * chunk : (unit.block + 1) * chunk]
+            logical = files[unit.file_id][layer]
+            perm = perms[unit.file_id]
+            physical = logical if perm is None else torch.empty_like(logical).index_copy_(2, torch.as_tensor(perm[layer]), logical)
+            b = physical[:, :, unit.block * chunk : (unit.block + 1) * chunk]
             pool[slot, :, :, : b.shape[2]] = b
             rows.append(b.shape[2])
         return BlockSet(KV, pool, rows, list(range(len(units))))
 
-    # the expected row of every logical position, walking the segments
-    expect = torch.cat([files[i][:, :, row : row + n] for i, (row, n) in enumerate(pieces)], dim=2)
-    k = data.draw(st.integers(1, lay.length))
-    if per_head:
-        positions = torch.stack([
-            torch.tensor(sorted(data.draw(st.lists(st.integers(0, lay.length - 1), min_size=k, max_size=k, unique=True))))
-            for _ in range(heads)
-        ])
-    else:
-        positions = torch.tensor(sorted(data.draw(st.lists(st.integers(0, lay.length - 1), min_size=k, max_size=k, unique=True))))
-    units = lay.units_for(positions.reshape(-1))
-    keys, values = lay.gather(units, blocks(units), positions)
-    for h in range(heads):
-        pos = positions[h] if per_head else positions
-        assert torch.equal(keys[h], expect[0, h, pos])
-        assert torch.equal(values[h], expect[1, h, pos])
-    # every position, from every unit
-    all_units = list(range(len(lay.units)))
-    keys, values = lay.gather(all_units, blocks(all_units))
-    assert torch.equal(keys, expect[0]) and torch.equal(values, expect[1])
-    if len(all_units) > 1:  # position 0 lies in unit 0, whose block is left out
+    for layer in range(layers):
+        view = lay.at(layer)
+        # the expected row of every logical position, walking the pieces
+        expect = torch.cat([files[i][layer][:, :, row : row + n] for i, (row, n, _) in enumerate(pieces)], dim=2)
+        k = data.draw(st.integers(1, lay.length))
+        draw = st.lists(st.integers(0, lay.length - 1), min_size=k, max_size=k, unique=True)
+        if per_head:
+            positions = torch.stack([torch.tensor(sorted(data.draw(draw))) for _ in range(heads)])
+        else:
+            positions = torch.tensor(sorted(data.draw(draw)))
+        units = view.units_for(positions.reshape(-1))
+        keys, values = view.gather(units, blocks(layer, units), positions)
+        for h in range(heads):
+            pos = positions[h] if per_head else positions
+            assert torch.equal(keys[h], expect[0, h, pos])
+            assert torch.equal(values[h], expect[1, h, pos])
+        # every position, from every unit of the layer
+        all_units = view.units_all()
+        keys, values = view.gather(all_units, blocks(layer, all_units))
+        assert torch.equal(keys, expect[0]) and torch.equal(values, expect[1])
+        out = torch.zeros(2, heads, lay.length, dim)
+        view.gather_into(all_units, blocks(layer, all_units), out)
+        assert torch.equal(out, expect)
+        # blocks cut from in-memory rows (recomputed prefixes) gather the same way
+        again = view.gather(units, view.blocks_from(expect[0], expect[1], units), positions)
+        for h in range(heads):
+            pos = positions[h] if per_head else positions
+            assert torch.equal(again[0][h], expect[0, h, pos]) and torch.equal(again[1][h], expect[1, h, pos])
+        missing = int(view.unit_of[0])
+        rest = [u for u in all_units if u != missing]
         with pytest.raises(ValueError, match="not given"):
-            lay.gather(all_units[1:], blocks(all_units[1:]), torch.tensor([0]))
+            view.gather(rest, blocks(layer, rest), torch.tensor([0]))

@@ -105,17 +105,19 @@ class DenseLoader:
 
     def _start(self, layer: int) -> tuple[int, list[Any]]:
         return layer, [
-            None if lay is None else self._store.start_layout(lay, KV, [layer], place_hits=False) for lay in self._layouts
+            None if lay is None else self._store.start_layout(lay, KV, [layer], lay.at(layer).units_all(), place_hits=False)
+            for lay in self._layouts
         ]
 
     def _gather(self, started: tuple[int, list[Any]]) -> torch.Tensor:
-        _, reads = started
+        layer, reads = started
         buf = prefix_buffer(self._store, len(self._layouts), self._reused, self._room, max(self._pads) > 0)
         for i, (lay, read) in enumerate(zip(self._layouts, reads)):
             if lay is None:
                 continue
             blocks = read.result()
-            lay.gather_into(range(len(lay.units)), blocks, buf[:, i, :, self._pads[i] : self._reused])
+            view = lay.at(layer)
+            view.gather_into(view.units_all(), blocks, buf[:, i, :, self._pads[i] : self._reused])
             with self._lock:
                 self._stats.bytes_read_disk += blocks.stats.disk_bytes
                 self._stats.blocks_read += blocks.stats.disk_blocks
@@ -143,18 +145,23 @@ class ProbeLoader:
         self.read = ReadStats()
         self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
 
-    def _start(self, layer: int) -> list[Any]:
-        return [None if lay is None else self._store.start_layout(lay, PROBE, [layer]) for lay in self._layouts]
+    def _start(self, layer: int) -> tuple[int, list[Any]]:
+        return layer, [
+            None if lay is None else self._store.start_layout(lay, PROBE, [layer], lay.at(layer).units_all())
+            for lay in self._layouts
+        ]
 
-    def _decode(self, reads: list[Any]) -> list[torch.Tensor | None]:
+    def _decode(self, started: tuple[int, list[Any]]) -> list[torch.Tensor | None]:
         store, spec = self._store, self._store.spec
+        layer, reads = started
         out: list[torch.Tensor | None] = []
         for lay, read in zip(self._layouts, reads):
             if lay is None:
                 out.append(None)
                 continue
             blocks = read.result()
-            raw = lay.gather_rows(range(len(lay.units)), blocks)
+            view = lay.at(layer)
+            raw = view.gather_rows(view.units_all(), blocks)
             out.append(probe_codec.decode(raw, len(store.probe.kv_heads), spec.head_dim, store.probe.encoding))
             self.read.add(blocks.stats)
         return out

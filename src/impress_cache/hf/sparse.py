@@ -123,8 +123,8 @@ class SparsePrefill:
         for i, rows in self.selections.get(layer_idx - 1, {}).items():
             lay = self.layouts[self.row_of(i)]
             assert lay is not None
-            units = lay.units_for(rows.reshape(-1))
-            if len(units) < len(lay.units):  # a layer that read everything predicts nothing
+            units = lay.at(layer_idx - 1).units_for(rows.reshape(-1))
+            if len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
                 self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
 
     def _row_from(
@@ -146,17 +146,18 @@ class SparsePrefill:
         mem: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> RowSelection:
         store, cfg = self.store, self.store.config
+        view = lay.at(layer_idx)
 
         def read_units(units: Sequence[int], rows: torch.Tensor | None) -> BlockSet:
             if mem is not None:
-                return lay.blocks_from(mem[0], mem[1], list(units))
+                return view.blocks_from(mem[0], mem[1], list(units))
             return self._read_units(lay, layer_idx, row, units, rows)
 
         k_i = min(self.k, lay.length)
         if k_i == lay.length:
-            units = list(range(len(lay.units)))
+            units = view.units_all()
             blocks = read_units(units, None)
-            keys, values = lay.gather(units, blocks)
+            keys, values = view.gather(units, blocks)
             return RowSelection(keys, values, 1.0, 0.0, False, torch.arange(lay.length), blocks.stats)
         if mem is not None and probe_keys is None and cfg.selection not in BASELINES:
             probe_keys = mem[0][list(store.probe.kv_heads)].float()  # exact keys: score with them
@@ -165,7 +166,7 @@ class SparsePrefill:
             new_keys=new_keys,
             probe_keys=probe_keys,
             probe_kv_heads=store.probe.kv_heads,
-            layout=lay,
+            layout=view,
             k=k_i,
             read_units=read_units,
             mode=cfg.selection,
@@ -182,11 +183,12 @@ class SparsePrefill:
         ahead for this layer are used; the ones it did not choose are accounted with
         share 0 and kept for a ``decode="full"`` read."""
         t0 = time.perf_counter()
+        view = lay.at(layer_idx)
         share = torch.ones(len(lay.units), dtype=torch.float64)
         if rows is not None:
-            counts = torch.bincount(lay.unit_of[rows.reshape(-1)], minlength=len(lay.units))
+            counts = torch.bincount(view.unit_of[rows.reshape(-1)], minlength=len(lay.units))
             per_head = rows.shape[0] if rows.dim() == 2 else 1
-            share = (counts.double() / per_head / lay.unit_count).clamp(max=1.0)
+            share = (counts.double() / per_head / view.unit_count.clamp(min=1)).clamp(max=1.0)
         ahead = self._ahead.pop(row, None)
         if ahead is not None and ahead[0] == layer_idx:
             _, pre_units, pending = ahead

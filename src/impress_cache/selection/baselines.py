@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..store.layout import PrefixLayout
+from ..store.layout import LayerView
 from .scores import topk_indices
 from .selectors import ReadUnits, RowSelection, kv_head_scores, load_rows, read_all
 
@@ -38,7 +38,7 @@ def select_baseline(
     mode: str,
     queries: torch.Tensor,
     new_keys: torch.Tensor,
-    layout: PrefixLayout,
+    layout: LayerView,
     k: int,
     read_units: ReadUnits,
     seed: int,

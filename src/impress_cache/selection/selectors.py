@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..store.blockset import BlockSet, ReadStats
-from ..store.layout import PrefixLayout
+from ..store.layout import LayerView
 from .modes import BASELINES
 from .scores import attention_column_scores, mean_pairwise_jaccard, select_units, similarity_threshold, topk_indices, vote
 
@@ -64,7 +64,7 @@ def kv_head_scores(queries: torch.Tensor, prefix_keys: torch.Tensor, new_keys: t
 
 
 def load_rows(
-    layout: PrefixLayout, rows: torch.Tensor, read_units: ReadUnits, sim: float, thr: float, fell_back: bool
+    layout: LayerView, rows: torch.Tensor, read_units: ReadUnits, sim: float, thr: float, fell_back: bool
 ) -> RowSelection:
     """Read the units holding ``rows`` and gather their K/V."""
     units = layout.units_for(rows.reshape(-1))
@@ -73,9 +73,9 @@ def load_rows(
     return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats)
 
 
-def read_all(layout: PrefixLayout, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
+def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
     """Every unit of the layer: the units, their blocks and the prefix's keys ``[H, P, D]``."""
-    units = list(range(len(layout.units)))
+    units = layout.units_all()
     blocks = read_units(units, None)
     return units, blocks, layout.gather(units, blocks)[0]
 
@@ -86,7 +86,7 @@ def select_row(
     new_keys: torch.Tensor,
     probe_keys: torch.Tensor | None,
     probe_kv_heads: Sequence[int],
-    layout: PrefixLayout,
+    layout: LayerView,
     k: int,
     read_units: ReadUnits,
     mode: str = "block",
@@ -108,7 +108,8 @@ def select_row(
         The KV heads the probe copy holds (the groups of the configured probe query
         heads). Every query head of those groups scores the prefix.
     layout:
-        Units of the prefix (``layout.length == P``).
+        Where the prefix's positions live in this layer (``layout.length == P``; a view
+        from `PrefixLayout.at`).
     k:
         Rows to keep, ``1 <= k <= P``.
     read_units:

@@ -1,9 +1,16 @@
-"""Where the rows of a matched prefix live: logical positions -> (file, block, row).
+"""Where the rows of a matched prefix live: logical positions -> (file, block, row), per layer.
 
-A matched prefix is a list of radix-tree segments, each a run of rows of one chunk file.
-Files are cut into blocks of their own ``chunk_tokens`` rows, so the prefix splits into
-*units*: the part of one (file, block) that the prefix covers. Selection and I/O both work
-on units: a unit is the smallest thing that can be read.
+A matched prefix is a list of radix-tree segments, each a run of logical rows of one chunk
+file. Files are cut into blocks of their own ``chunk_tokens`` physical rows. In a file
+written in prompt order, logical row ``r`` is physical row ``r`` in every layer; a file
+rewritten by the reorganiser (`store.reorder`) keeps each layer's rows in its own order
+(most important first), with ``perm[layer, r]``, the physical row of logical row ``r``.
+
+The prefix's *units* are the (file, block) pairs that hold any of its rows in any layer:
+the smallest things that can be read. `PrefixLayout.at(layer)` gives a `LayerView`: the
+unit and the row inside the unit's block of every logical position for that layer, and
+the gathers that copy rows out of blocks read. Layers of files in prompt order share one
+view, whose positions come in contiguous runs (fast strided copies).
 """
 
 from __future__ import annotations
@@ -21,57 +28,118 @@ from .blockset import BlockSet
 
 @dataclass(frozen=True)
 class Unit:
-    """Rows ``first_row .. first_row + count`` of block ``block`` of ``file_id``,
-    holding logical positions ``start .. start + count``."""
+    """Block ``block`` of chunk file ``file_id``."""
 
     file_id: int
     block: int
-    first_row: int
-    count: int
-    start: int
 
 
 class PrefixLayout:
-    """Units of one matched prefix, and the unit of every logical position."""
+    """Units of one matched prefix, and per layer where every logical position lives."""
 
-    def __init__(self, segments: Sequence[Segment], chunk_tokens_of: Callable[[int], int]) -> None:
-        units: list[Unit] = []
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        chunk_tokens_of: Callable[[int], int],
+        perm_of: Callable[[int], np.ndarray | None] = lambda file_id: None,
+    ) -> None:
         #: the radix-tree segments this layout was built from
         self.segments = list(segments)
+        self.length = sum(seg.length for seg in self.segments)
+        self._parts: list[tuple[int, int, int, int, int, np.ndarray | None]] = []  # file, ct, r0, length, pos, perm
+        index: dict[tuple[int, int], int] = {}
+        units: list[Unit] = []
         pos = 0
-        for seg in segments:
+        for seg in self.segments:
             ct = chunk_tokens_of(seg.file_id)
+            perm = perm_of(seg.file_id) if seg.length else None
             r0, r1 = seg.file_row, seg.file_row + seg.length
-            for b in range(r0 // ct, (r1 - 1) // ct + 1) if seg.length else ():
-                lo, hi = max(r0, b * ct), min(r1, (b + 1) * ct)
-                units.append(Unit(seg.file_id, b, lo - b * ct, hi - lo, pos + lo - r0))
+            if perm is None:
+                blocks = range(r0 // ct, (r1 - 1) // ct + 1) if seg.length else range(0)
+            else:
+                blocks = np.unique(perm[:, r0:r1] // ct).tolist()
+            for b in blocks:
+                if (seg.file_id, b) not in index:
+                    index[(seg.file_id, b)] = len(units)
+                    units.append(Unit(seg.file_id, int(b)))
+            self._parts.append((seg.file_id, ct, r0, seg.length, pos, perm))
             pos += seg.length
+        self._index = index
+        #: the (file, block) pairs holding the prefix's rows in some layer
         self.units = units
-        self.length = pos
-        counts = torch.tensor([u.count for u in units], dtype=torch.long)
-        #: unit index of every logical position
-        self.unit_of = torch.repeat_interleave(torch.arange(len(units)), counts)
-        #: per unit: first logical position, and the unit's first row inside its block
-        self.unit_start = torch.tensor([u.start for u in units], dtype=torch.long)
-        self.unit_first_row = torch.tensor([u.first_row for u in units], dtype=torch.long)
-        #: per unit: how many positions it holds
-        self.unit_count = counts
         #: per unit: its file and its block in that file (numpy, for the read path)
         self.unit_files = np.array([u.file_id for u in units], dtype=np.int64)
         self.unit_blocks = np.array([u.block for u in units], dtype=np.int64)
+        #: whether every layer keeps the rows in prompt order
+        self.in_order = all(p[5] is None for p in self._parts)
+        self._views: dict[int, LayerView] = {}
 
-    def units_for(self, positions: torch.Tensor) -> list[int]:
-        """Sorted indices of the units holding ``positions``."""
-        return torch.unique(self.unit_of[positions]).tolist()
+    def at(self, layer: int) -> LayerView:
+        """Where every position of ``layer`` lives (one shared view when in order)."""
+        key = -1 if self.in_order else layer
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = LayerView(self, None if self.in_order else layer)
+        return view
 
     def keys(self, units: Sequence[int], kind: int, layer: int) -> list[BlockKey]:
         """Block keys of ``units`` for one layer."""
         return [(self.units[u].file_id, kind, layer, self.units[u].block) for u in units]
 
     def codes(self, units: Sequence[int], layer: int) -> list[int]:
-        """`store.blocks.block_code` of the blocks of ``units`` for one layer."""
+        """`block_code` of the blocks of ``units`` for one layer."""
         u = np.asarray(units, dtype=np.int64)
         return block_code(self.unit_files[u], layer, self.unit_blocks[u]).tolist()
+
+    def _placement(self, layer: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Unit and row inside its block of every position (``layer=None``: prompt order)."""
+        unit_of = np.empty(self.length, dtype=np.int64)
+        row_of = np.empty(self.length, dtype=np.int64)
+        for file_id, ct, r0, n, pos, perm in self._parts:
+            if n == 0:
+                continue
+            if perm is None or layer is None:
+                phys = np.arange(r0, r0 + n, dtype=np.int64)
+            else:
+                phys = perm[layer, r0 : r0 + n].astype(np.int64)
+            blocks = phys // ct
+            present = np.unique(blocks)
+            ids = np.array([self._index[(file_id, int(b))] for b in present], dtype=np.int64)
+            unit_of[pos : pos + n] = ids[np.searchsorted(present, blocks)]
+            row_of[pos : pos + n] = phys - blocks * ct
+        return unit_of, row_of
+
+
+class LayerView:
+    """One layer of a `PrefixLayout`: the unit and in-block row of every position."""
+
+    def __init__(self, layout: PrefixLayout, layer: int | None) -> None:
+        self.layout = layout
+        self.units = layout.units
+        self.length = layout.length
+        unit_of, row_of = layout._placement(layer)
+        #: unit index of every logical position
+        self.unit_of = torch.from_numpy(unit_of)
+        #: row, inside its unit's block, of every logical position
+        self.row_of = torch.from_numpy(row_of)
+        #: per unit: how many positions of this layer it holds
+        self.unit_count = torch.bincount(self.unit_of, minlength=len(layout.units))
+        #: positions in prompt order: each unit's positions are one contiguous run
+        self.in_order = layer is None
+        if self.in_order and self.length:
+            first = np.flatnonzero(np.r_[True, unit_of[1:] != unit_of[:-1]])
+            self._runs = list(zip(unit_of[first].tolist(), first.tolist(), row_of[first].tolist(),
+                                  np.diff(np.r_[first, self.length]).tolist()))
+        else:
+            self._runs = []
+
+    def units_for(self, positions: torch.Tensor) -> list[int]:
+        """Sorted indices of the units holding ``positions``."""
+        return torch.unique(self.unit_of[positions]).tolist()
+
+    def units_all(self) -> list[int]:
+        """The units holding any position of this layer."""
+        return torch.nonzero(self.unit_count).squeeze(1).tolist()
 
     def row_index(
         self, units: Sequence[int], slots: Sequence[int], slot_rows: int, positions: torch.Tensor | None = None
@@ -85,10 +153,10 @@ class PrefixLayout:
             positions = torch.arange(self.length)
         base = torch.full((len(self.units),), -1, dtype=torch.long)
         base[torch.as_tensor(list(units), dtype=torch.long)] = torch.as_tensor(list(slots), dtype=torch.long) * slot_rows
-        u = self.unit_of[positions]
-        if bool((base[u] < 0).any()):
+        b = base[self.unit_of[positions]]
+        if bool((b < 0).any()):
             raise ValueError("a position lies in a unit whose block was not given")
-        return base[u] + positions - self.unit_start[u] + self.unit_first_row[u]
+        return b + self.row_of[positions]
 
     def gather(
         self, units: Sequence[int], blocks: BlockSet, positions: torch.Tensor | None = None, offset: int = 0
@@ -96,10 +164,9 @@ class PrefixLayout:
         """Keys and values of ``positions`` from K/V blocks read for ``units``.
 
         The blocks of ``units`` are the keys ``offset .. offset + len(units)`` of
-        ``blocks`` (in unit order).
-        ``positions`` is ``[k]`` (the same rows for every head), ``[heads, k]`` (one set
-        per head) or ``None`` (every position, in order). Returns two ``[heads, k,
-        head_dim]`` tensors (new memory, on the pool's device).
+        ``blocks`` (in unit order). ``positions`` is ``[k]`` (the same rows for every
+        head), ``[heads, k]`` (one set per head) or ``None`` (every position, in order).
+        Returns two ``[heads, k, head_dim]`` tensors (new memory, on the pool's device).
         """
         if blocks.kind != KV:
             raise ValueError("gather reads K/V blocks; use gather_rows for probe pieces")
@@ -114,50 +181,40 @@ class PrefixLayout:
         out = pool.reshape(-1, dim).index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
         return out[0], out[1]
 
-    def blocks_from(self, keys: torch.Tensor, values: torch.Tensor, units: Sequence[int]) -> BlockSet:
-        """The blocks of ``units`` cut from in-memory ``[heads, positions, head_dim]`` keys
-        and values, as the read path returns them (one slot per unit, in order): what a
-        request uses when it had to recompute its prefix."""
-        s = max((self.units[u].first_row + self.units[u].count for u in units), default=1)
-        h, _, d = keys.shape
-        pool = torch.zeros(len(units), 2, h, s, d, dtype=keys.dtype, device=keys.device)
-        rows = []
-        for slot, u in enumerate(units):
-            unit = self.units[u]
-            r, sl = unit.first_row, slice(unit.start, unit.start + unit.count)
-            pool[slot, 0, :, r : r + unit.count] = keys[:, sl]
-            pool[slot, 1, :, r : r + unit.count] = values[:, sl]
-            rows.append(r + unit.count)
-        return BlockSet(KV, pool, rows, list(range(len(units))))
-
     def gather_into(self, units: Sequence[int], blocks: BlockSet, out: torch.Tensor, offset: int = 0) -> None:
-        """Every position of ``units`` (in order) into ``out``, a ``[2, heads, positions,
-        head_dim]`` tensor or view (keys, then values).
+        """Every position (in order) into ``out``, a ``[2, heads, positions, head_dim]``
+        tensor or view (keys, then values), from the blocks read for ``units`` (keys
+        ``offset ..`` of ``blocks``; every unit of the layer).
 
-        Runs of whole blocks are stacked straight into ``out`` (one copy per run, no
-        index), whether they sit in the pool or were held apart (memory-tier hits); only
-        units that cover part of a block are copied one by one.
+        In prompt order, runs of whole blocks are stacked straight into ``out`` (one copy
+        per run, no index), whether they sit in the pool or were held apart (memory-tier
+        hits), and units that cover part of a block are copied one by one; a reordered
+        layer is gathered with one index.
         """
+        if not self.in_order:
+            k, v = self.gather(units, blocks, None, offset)
+            out[0].copy_(k)
+            out[1].copy_(v)
+            return
         s = blocks.slot_rows
-        slots = blocks.slot_of[offset : offset + len(units)]
-        infos = [self.units[u] for u in units]
-        pos, i, n = 0, 0, len(infos)
+        slot_of = dict(zip(units, blocks.slot_of[offset : offset + len(units)]))
+        runs, pos, i, n = self._runs, 0, 0, len(self._runs)
         while i < n:
             j = i
-            while j < n and infos[j].first_row == 0 and infos[j].count == s:
+            while j < n and runs[j][2] == 0 and runs[j][3] == s:
                 j += 1
             if j > i:  # whole blocks i .. j - 1
                 nb = j - i
                 torch.stack(
-                    [blocks.slot(slot)[:, :, :s] for slot in slots[i:j]], dim=2,
+                    [blocks.slot(slot_of[u])[:, :, :s] for u, _, _, _ in runs[i:j]], dim=2,
                     out=out[:, :, pos : pos + nb * s].unflatten(2, (nb, s)),
                 )
                 pos += nb * s
                 i = j
                 continue
-            u = infos[i]
-            out[:, :, pos : pos + u.count].copy_(blocks.slot(slots[i])[:, :, u.first_row : u.first_row + u.count])
-            pos += u.count
+            u, _, r, c = runs[i]
+            out[:, :, pos : pos + c].copy_(blocks.slot(slot_of[u])[:, :, r : r + c])
+            pos += c
             i += 1
 
     def gather_rows(
@@ -168,3 +225,20 @@ class PrefixLayout:
         pool = blocks.placed().pool
         idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], blocks.slot_rows, positions)
         return pool.reshape(-1, pool.shape[-1]).index_select(0, idx.to(pool.device))
+
+    def blocks_from(self, keys: torch.Tensor, values: torch.Tensor, units: Sequence[int]) -> BlockSet:
+        """The blocks of ``units`` cut from in-memory ``[heads, positions, head_dim]`` keys
+        and values, as the read path returns them (one slot per unit, in order): what a
+        request uses when it had to recompute its prefix."""
+        units = list(units)
+        slot = torch.full((len(self.units),), -1, dtype=torch.long)
+        slot[torch.as_tensor(units, dtype=torch.long)] = torch.arange(len(units))
+        pos = torch.nonzero(slot[self.unit_of] >= 0).squeeze(1)
+        s = int(self.row_of[pos].max()) + 1 if len(pos) else 1
+        h, _, d = keys.shape
+        pool = torch.zeros(len(units), 2, h, s, d, dtype=keys.dtype, device=keys.device)
+        sl, rows = slot[self.unit_of[pos]], self.row_of[pos]
+        pool[sl, 0, :, rows] = keys[:, pos].transpose(0, 1)
+        pool[sl, 1, :, rows] = values[:, pos].transpose(0, 1)
+        used = torch.zeros(len(units), dtype=torch.long).scatter_reduce(0, sl, rows + 1, "amax")
+        return BlockSet(KV, pool, used.tolist(), list(range(len(units))))

@@ -2,7 +2,7 @@
 
 The store knows nothing about ``generate``: `ImpressCache` asks it for the longest
 stored prefix of a prompt (`match`), protects what it matched (`lease`), reads blocks
-(`read_blocks`, `load`, `load_probes`) and hands it the K/V of new prompts (`put_async`).
+(`read_blocks`, `start_layout`, `load`) and hands it the K/V of new prompts (`put_async`).
 Each job lives in its own module:
 
 ========================  =============================================================
@@ -305,13 +305,19 @@ class ImpressStore:
         keys, values = out
         if tuple(keys.shape) != shape or tuple(values.shape) != shape:
             raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
-        units = range(len(lay.units))
-        blocks = self.start_layout(lay, KV, range(spec.num_layers), decode=decode, known=known).result()
-        for layer in range(spec.num_layers):
-            k, v = lay.gather(units, blocks, offset=layer * len(units))
-            keys[layer].copy_(k)
-            values[layer].copy_(v)
-        return LoadedPrefix(keys, values, blocks.stats.disk_bytes, blocks.stats.disk_blocks)
+        nbytes = nblocks = 0
+        # one read for every layer when the layers share their units (prompt order)
+        groups = [list(range(spec.num_layers))] if lay.in_order else [[layer] for layer in range(spec.num_layers)]
+        for layers in groups:
+            units = lay.at(layers[0]).units_all()
+            blocks = self.start_layout(lay, KV, layers, units, decode=decode, known=known).result()
+            for i, layer in enumerate(layers):
+                k, v = lay.at(layer).gather(units, blocks, offset=i * len(units))
+                keys[layer].copy_(k)
+                values[layer].copy_(v)
+            nbytes += blocks.stats.disk_bytes
+            nblocks += blocks.stats.disk_blocks
+        return LoadedPrefix(keys, values, nbytes, nblocks)
 
     def start_layout(
         self,
@@ -331,13 +337,6 @@ class ImpressStore:
         return self._io.start_layout(
             layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits
         )
-
-    def load_probes(self, layout: PrefixLayout, layers: Sequence[int] | None = None) -> tuple[list[torch.Tensor], int]:
-        """Probe-key records of a prefix: per layer ``uint8 [tokens, record_bytes]``."""
-        units = range(len(layout.units))
-        layers = range(self.spec.num_layers) if layers is None else layers
-        blocks = self.start_layout(layout, PROBE, layers).result()
-        return [layout.gather_rows(units, blocks, offset=i * len(units)) for i in range(len(layers))], blocks.stats.disk_bytes
 
     # -- writes ----------------------------------------------------------------------
     def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
