@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 from impress_cache.tools import drop_page_cache, load_smollm2
 
 QUESTION = {
@@ -95,11 +96,11 @@ def forced_run(model: Any, store: ImpressStore, ids: torch.Tensor, forced: list[
     """
     t0 = time.perf_counter()
     cache = ImpressCache(store, ids, store_prompt=False)
-    out = model(ids[:, cache.reused_tokens :], past_key_values=cache, use_cache=True)
+    out = model(ids[:, cache.reused_tokens :], **{CACHE_KWARG: cache}, use_cache=True)
     logp = [F.log_softmax(out.logits[0, -1].float(), -1)]
     ttft = time.perf_counter() - t0
     for t in forced[:-1]:
-        out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[t]]), **{CACHE_KWARG: cache}, use_cache=True)
         logp.append(F.log_softmax(out.logits[0, -1].float(), -1))
     s = cache.stats
     return {
@@ -113,6 +114,9 @@ def forced_run(model: Any, store: ImpressStore, ids: torch.Tensor, forced: list[
         "bytes_read_disk": s.bytes_read_disk,
         "invalid_io_ratio": s.invalid_io_ratio,
         "fallback_layers": len(s.fallback_layers),
+        "rows_selected": s.rows_selected,
+        "blocks_touched": s.blocks_touched,
+        "blocks_per_selected_row": s.blocks_per_selected_row,
         "mean_similarity": sum(s.layer_similarity) / max(1, len(s.layer_similarity)),
     }
 
@@ -162,13 +166,13 @@ def run_prefix(
     with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **base_cfg)) as store:
         with torch.no_grad():
             first = torch.tensor([prefix + question[:1]])
-            model(first, past_key_values=ImpressCache(store, first), use_cache=True)  # compute and store the prefix once
+            model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)  # compute and store the prefix once
         store.flush()
         drop_page_cache(store_dir)
         # dense reference: greedy tokens, then the same forced run
         greedy: list[int] = []
         with torch.no_grad():
-            gen = model.generate(ids, past_key_values=ImpressCache(store, ids, store_prompt=False), max_new_tokens=32, do_sample=False)
+            gen = model.generate(ids, **{CACHE_KWARG: ImpressCache(store, ids, store_prompt=False)}, max_new_tokens=32, do_sample=False)
         greedy = gen[0, ids.shape[1] :].tolist()
         drop_page_cache(store_dir)
         dense = forced_run(model, store, ids, greedy)
@@ -233,11 +237,11 @@ def passkey(model: Any, tok: Any, depths: list[float], seeds: int, work: Path, b
             store_dir = work / f"passkey-{depth}-{seed}"
             with ImpressStore(store_dir, model, ImpressConfig(**base_cfg)) as store, torch.no_grad():
                 first = torch.tensor([prefix + question[:1]])
-                model(first, past_key_values=ImpressCache(store, first), use_cache=True)
+                model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)
             for name, ratio, sel in configs:
                 conf = ImpressConfig(important_ratio=ratio, selection=sel, decode="full", **base_cfg)
                 with ImpressStore(store_dir, model, conf) as store, torch.no_grad():
-                    out = model.generate(ids, past_key_values=ImpressCache(store, ids, store_prompt=False), max_new_tokens=8, do_sample=False)
+                    out = model.generate(ids, **{CACHE_KWARG: ImpressCache(store, ids, store_prompt=False)}, max_new_tokens=8, do_sample=False)
                 answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
                 rows.append({"depth": depth, "seed": seed, "method": name, "important_ratio": ratio, "found": str(key) in answer, "answer": answer.strip()})
     return rows

@@ -1,7 +1,8 @@
-"""Command line: inspect and verify a store without loading a model.
+"""Command line: inspect, verify and reorganise a store without loading a model.
 
     impress-cache info DIR      # model record, prompts, files, bytes
     impress-cache verify DIR    # read every block and check its CRC-32
+    impress-cache reorg DIR     # rewrite nodes in the order their importance statistics call for
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def verify(path: Path) -> list[dict]:
         for rec in tqdm(index.files(), desc="verifying", unit="file"):
             arrays = index.block_table(rec.id)
             assert arrays is not None
-            seed = file_seed(bytes.fromhex(rec.name[:32]), rec.context, rec.first_pos, rec.tokens)
+            perm = index.file_perm(rec.id) if rec.reordered else None
+            seed = file_seed(bytes.fromhex(rec.name[:32]), rec.context, rec.first_pos, rec.tokens, perm)
             table = BlockTable.build(*arrays, seed, rec.n_tokens, rec.chunk_tokens, row_bytes)
             fpath = path / CHUNK_DIR / rec.name
             blocks = np.arange(rec.blocks)
@@ -88,14 +90,43 @@ def verify(path: Path) -> list[dict]:
     return bad
 
 
+def reorg(path: Path, force: bool = False, limit: int | None = None, **config: object) -> dict:
+    """Rewrite the nodes whose saved importance statistics call for a new order
+    (``config``: `ImpressConfig` fields, e.g. the ``important_ratio`` the gain is
+    judged for and the ``chunk_tokens`` of the new files)."""
+    from .config import ImpressConfig
+    from .store.store import ImpressStore
+
+    _open_index(path).close()
+    with ImpressStore(path, None, ImpressConfig(reorg_idle_ms=0, **config)) as store:  # type: ignore[arg-type]
+        result = store.reorganize(force=force, limit=limit, progress=True)
+        stats = store.stats()
+    return {**result, "nodes": stats["nodes"], "files": stats["files"], "disk_bytes": stats["disk_bytes"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="impress-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("info", "verify"):
         sub.add_parser(name).add_argument("store", type=Path)
+    r = sub.add_parser("reorg", help="rewrite nodes in the order their importance statistics call for")
+    r.add_argument("store", type=Path)
+    r.add_argument("--force", action="store_true", help="every node with statistics, whatever the expected gain")
+    r.add_argument("--limit", type=int, default=None, help="rewrite at most this many nodes")
+    r.add_argument("--important-ratio", type=float, default=0.25, help="share of rows the gain is judged for")
+    r.add_argument("--chunk-tokens", type=int, default=16, help="rows per block of the rewritten files")
+    r.add_argument("--min-requests", type=int, default=4, help="new sparse requests a node needs")
+    r.add_argument("--min-gain", type=float, default=0.2, help="fewer blocks the top rows must need")
     args = p.parse_args(argv)
     if args.cmd == "info":
         print(json.dumps(info(args.store), indent=2))
+        return 0
+    if args.cmd == "reorg":
+        result = reorg(
+            args.store, args.force, args.limit, important_ratio=args.important_ratio, chunk_tokens=args.chunk_tokens,
+            reorg_min_requests=args.min_requests, reorg_min_gain=args.min_gain,
+        )
+        print(json.dumps(result, indent=2))
         return 0
     bad = verify(args.store)
     print(json.dumps({"damaged_files": bad}, indent=2))

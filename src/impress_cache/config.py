@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,6 +134,9 @@ class ImpressConfig:
     unimportant_weight: float = DEFAULT_UNIMPORTANT_WEIGHT
     stats_interval_s: float | None = 60.0
     prefetch: bool = True
+    reorg_idle_ms: float | None = 50.0
+    reorg_min_requests: int = 4
+    reorg_min_gain: float = 0.2
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
@@ -163,6 +167,12 @@ class ImpressConfig:
         check_unit("unimportant_weight", self.unimportant_weight)
         check_seconds("half_life_s", self.half_life_s)
         check_seconds("stats_interval_s", self.stats_interval_s)
+        if self.reorg_idle_ms is not None and (
+            not is_number(self.reorg_idle_ms) or not 0.0 <= float(self.reorg_idle_ms) < math.inf
+        ):
+            raise ConfigError(f"reorg_idle_ms must be None or a number of milliseconds >= 0, got {self.reorg_idle_ms!r}")
+        check_int("reorg_min_requests", self.reorg_min_requests, 1)
+        check_unit("reorg_min_gain", self.reorg_min_gain)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""

@@ -45,6 +45,10 @@ class RequestStats:
     share of a layer's selected blocks that were already being read because the
     previous layer selected them; ``recomputed_layers`` counts layers whose prefix rows
     came from recomputing the prefix after a damaged block was found mid-prefill.
+    ``blocks_touched`` and ``rows_selected`` sum, over the layers (and planned rows) of
+    a sparse prefill, the K/V blocks holding the selected rows and those rows;
+    ``blocks_per_selected_row`` is their ratio (``1 / chunk_tokens`` at best: importance
+    reordering packs a prefix's important rows into fewer blocks).
     """
 
     matched_tokens: int = 0
@@ -68,10 +72,16 @@ class RequestStats:
     prefill_seconds: float = 0.0
     prefetch_hit_rate: float = 0.0
     recomputed_layers: int = 0
+    blocks_touched: int = 0
+    rows_selected: int = 0
     layer_similarity: list[float] = field(default_factory=list)
     layer_threshold: list[float] = field(default_factory=list)
     fallback_layers: list[int] = field(default_factory=list)
     rows: list[RowStats] = field(default_factory=list)
 
+    @property
+    def blocks_per_selected_row(self) -> float:
+        return self.blocks_touched / self.rows_selected if self.rows_selected else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "blocks_per_selected_row": self.blocks_per_selected_row}

@@ -175,6 +175,11 @@ class ImpressCache(Cache):
     ) -> None:
         if not isinstance(store, ImpressStore):
             raise TypeError(f"store must be an ImpressStore, got {type(store).__name__}")
+        if store.model is None:
+            raise CacheUsageError(
+                f"the store at {store.path} was opened without a model (for maintenance); "
+                "open it with ImpressStore(path, model) to serve requests"
+            )
         if input_ids is None and attention_mask is not None:
             raise CacheUsageError("attention_mask without input_ids: pass both, or neither and let generate bind the cache")
         self.store = store

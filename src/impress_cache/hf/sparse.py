@@ -59,6 +59,10 @@ class SparsePrefill:
         #: per batch row: the units whose next-layer blocks are being read ahead
         self._ahead: dict[int, tuple[int, list[int], PendingRead]] = {}
         self._ahead_hits = self._ahead_needed = 0
+        #: per planned row: each layer's importance (top-k mask) for the reorganiser
+        self._importance: dict[int, dict[int, torch.Tensor | None]] = {}
+        #: per planned row: K/V blocks touched and rows selected, summed over layers
+        self._touched: dict[int, list[int]] = {}
 
     def row_of(self, i: int) -> int:
         """The planned row that running batch row ``i`` is (repeats, beams, selections)."""
@@ -103,6 +107,7 @@ class SparsePrefill:
             buf[1, i, :, self.k - k_i : self.k] = sel.values
             if mem is None:
                 self._count(sel.read)
+                self._note(layer_idx, src, lay, sel)
             if layer_idx == 0:
                 self.stats.loaded_tokens += k_i
             sims.append(sel.similarity)
@@ -211,6 +216,19 @@ class SparsePrefill:
         for code, slot in zip(lay.codes(units, layer_idx), blocks.slot_of):
             self.memo.setdefault(code, slots[slot])
 
+    def _note(self, layer_idx: int, src: int, lay: PrefixLayout, sel: RowSelection) -> None:
+        """Remember a planned row's importance and block count for this layer (once, if
+        several running rows share it)."""
+        per_layer = self._importance.setdefault(src, {})
+        if layer_idx in per_layer:
+            return
+        per_layer[layer_idx] = sel.importance
+        rows = sel.rows.reshape(-1)
+        heads = sel.rows.shape[0] if sel.rows.dim() == 2 else 1
+        t = self._touched.setdefault(src, [0, 0])
+        t[0] += len(lay.at(layer_idx).units_for(rows))
+        t[1] += rows.numel() // heads
+
     def _count(self, read: ReadStats) -> None:
         self._prefill.add(read)
         self.stats.bytes_read_rows += read.disk_bytes
@@ -236,6 +254,17 @@ class SparsePrefill:
         p = self._prefill
         self.stats.bytes_unattended_rows = p.kv_unattended_bytes
         self.stats.invalid_io_ratio = invalid_io_ratio(p.kv_unattended_bytes, p.kv_disk_bytes)
+        layers = self.store.spec.num_layers
+        for src, per_layer in self._importance.items():
+            lay = self.layouts[src]
+            blocks, rows = self._touched[src]
+            self.stats.blocks_touched += blocks
+            self.stats.rows_selected += rows
+            if lay is None:
+                continue
+            masks = [per_layer.get(layer) for layer in range(layers)]
+            imp = None if any(m is None for m in masks) else torch.stack(masks).numpy()  # type: ignore[misc]
+            self.store.record_importance(lay.segments, imp, blocks, rows)
 
     def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """Every prefix row of the planned batch rows ``rows`` (the blocks read during the

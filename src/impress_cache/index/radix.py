@@ -222,6 +222,21 @@ class RadixTree:
         del self._nodes[node.id]
         return upper, lower
 
+    def replace(self, node: RadixNode, node_id: int, file_id: int, file_row: int) -> RadixNode:
+        """Put a new node with ``node``'s tokens, children and terminal count, but rows
+        ``file_row ..`` of ``file_id``, in its place (a rewrite of its rows). ``node``
+        itself is left as it was, detached, for requests that matched it."""
+        parent = node.parent
+        assert parent is not None and parent.children.get(int(node.tokens[0])) is node
+        new = RadixNode(self._free(node_id), node.tokens, file_id, file_row, parent, node.terminal)
+        new.children = dict(node.children)
+        for child in new.children.values():
+            child.parent = new
+        parent.children[int(node.tokens[0])] = new
+        self._nodes[new.id] = new
+        del self._nodes[node.id]
+        return new
+
     def add_child(
         self, parent: RadixNode, tokens: np.ndarray, file_id: int, file_row: int, node_id: int, terminal: int = 0
     ) -> RadixNode:

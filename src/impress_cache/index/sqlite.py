@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS files (
     context BLOB NOT NULL,
     offsets BLOB NOT NULL,
     checksums BLOB NOT NULL,
+    perm BLOB,
     created REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS nodes (
@@ -72,6 +73,15 @@ CREATE TABLE IF NOT EXISTS block_stats (
     saved_at REAL NOT NULL,
     PRIMARY KEY (file_id, kind, layer, block)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS node_importance (
+    node_id INTEGER PRIMARY KEY,
+    layers INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    scores BLOB NOT NULL,
+    requests REAL NOT NULL,
+    pending INTEGER NOT NULL,
+    saved_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS node_stats (
     node_id INTEGER PRIMARY KEY,
     count INTEGER NOT NULL,
@@ -83,7 +93,9 @@ CREATE TABLE IF NOT EXISTS node_stats (
 );
 """
 
-_FILE_COLUMNS = "id, name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, tokens, context"
+_FILE_COLUMNS = (
+    "id, name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, tokens, context, perm IS NOT NULL"
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,8 @@ class FileRecord:
     tokens: np.ndarray
     #: SHA-256 of the token ids before the first row
     context: bytes
+    #: whether the rows are stored in their own order per layer (`Index.file_perm`)
+    reordered: bool = False
 
     @property
     def blocks(self) -> int:
@@ -128,10 +142,12 @@ class NewFile:
     checksums: np.ndarray  # uint32 [2, layers, blocks]
     nbytes: int
     file_bytes: int
+    #: ``perm[layer, r]``: the physical row of logical row ``r`` (None: prompt order)
+    perm: np.ndarray | None = None
 
 
 def _record(row: tuple) -> FileRecord:
-    return FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]))
+    return FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11]))
 
 
 class Index:
@@ -218,12 +234,13 @@ class Index:
     def add_file(self, conn: sqlite3.Connection, f: NewFile) -> int:
         cur = conn.execute(
             "INSERT INTO files(name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, "
-            "tokens, context, offsets, checksums, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "tokens, context, offsets, checksums, perm, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 f.name, f.format, f.first_pos, len(f.tokens), f.chunk_tokens, f.layers, f.nbytes, f.file_bytes,
                 np.ascontiguousarray(f.tokens, dtype="<i4").tobytes(), f.context,
                 np.ascontiguousarray(f.offsets, dtype="<i8").tobytes(),
-                np.ascontiguousarray(f.checksums, dtype="<u4").tobytes(), time.time(),
+                np.ascontiguousarray(f.checksums, dtype="<u4").tobytes(),
+                None if f.perm is None else np.ascontiguousarray(f.perm, dtype="<i4").tobytes(), time.time(),
             ),
         )
         return int(cur.lastrowid)
@@ -253,6 +270,14 @@ class Index:
         layers, n, ct, offsets, checksums = row
         shape = (2, layers, -(-n // ct))
         return np.frombuffer(offsets, dtype="<i8").reshape(shape), np.frombuffer(checksums, dtype="<u4").reshape(shape)
+
+    def file_perm(self, file_id: int) -> np.ndarray | None:
+        """``perm[layer, r]`` of a reordered file (the physical row of logical row ``r``)."""
+        with self._lock:
+            row = self._conn.execute("SELECT layers, n_tokens, perm FROM files WHERE id=?", (file_id,)).fetchone()
+        if row is None or row[2] is None:
+            return None
+        return np.frombuffer(row[2], dtype="<i4").reshape(row[0], row[1])
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
         """Forget a file and its blocks' statistics (inside a transaction)."""
@@ -284,6 +309,7 @@ class Index:
 
     def delete_node(self, conn: sqlite3.Connection, node_id: int) -> None:
         conn.execute("DELETE FROM node_stats WHERE node_id=?", (node_id,))
+        conn.execute("DELETE FROM node_importance WHERE node_id=?", (node_id,))
         conn.execute("DELETE FROM nodes WHERE id=?", (node_id,))
 
     def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
@@ -384,6 +410,39 @@ class Index:
                 rows,
             )
             return conn.total_changes - before
+
+    def save_importance(self, records: dict[int, tuple[np.ndarray, float, int]], saved_at: float) -> int:
+        """Upsert per-node importance: ``node -> (scores [layers, length], requests,
+        pending)`` (scores stored as float16); unknown nodes are skipped."""
+        rows = [
+            (
+                int(k), int(a.shape[0]), int(a.shape[1]), np.ascontiguousarray(a, dtype="<f2").tobytes(),
+                float(req), int(pend), float(saved_at), int(k),
+            )
+            for k, (a, req, pend) in records.items()
+        ]
+        if not rows:
+            return 0
+        with self.transaction() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                "INSERT OR REPLACE INTO node_importance(node_id, layers, length, scores, requests, pending, saved_at) "
+                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
+                rows,
+            )
+            return conn.total_changes - before
+
+    def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
+        """Saved per-node importance: ``node -> (scores float32, requests, pending, saved_at)``."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT node_id, layers, length, scores, requests, pending, saved_at FROM node_importance "
+                "WHERE node_id IN (SELECT id FROM nodes)"
+            ).fetchall()
+        return {
+            r[0]: (np.frombuffer(r[3], dtype="<f2").reshape(r[1], r[2]).astype(np.float32), r[4], r[5], r[6])
+            for r in rows
+        }
 
     def load_node_stats(self) -> list[tuple[int, dict[str, Any]]]:
         with self._lock:

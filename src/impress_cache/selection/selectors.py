@@ -45,6 +45,9 @@ class RowSelection:
     rows: torch.Tensor
     #: what reading the blocks cost
     read: ReadStats
+    #: ``[P]``: 1 for the positions whose probe scores rank in the top ``k`` (what
+    #: the reorganiser accumulates); ``None`` when the selection had no scores
+    importance: torch.Tensor | None = None
 
 
 def normalised_sum(scores: torch.Tensor) -> torch.Tensor:
@@ -64,13 +67,26 @@ def kv_head_scores(queries: torch.Tensor, prefix_keys: torch.Tensor, new_keys: t
 
 
 def load_rows(
-    layout: LayerView, rows: torch.Tensor, read_units: ReadUnits, sim: float, thr: float, fell_back: bool
+    layout: LayerView,
+    rows: torch.Tensor,
+    read_units: ReadUnits,
+    sim: float,
+    thr: float,
+    fell_back: bool,
+    importance: torch.Tensor | None = None,
 ) -> RowSelection:
     """Read the units holding ``rows`` and gather their K/V."""
     units = layout.units_for(rows.reshape(-1))
     blocks = read_units(units, rows)
     keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats)
+    return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats, importance)
+
+
+def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[P]`` float: 1 at the ``k`` highest of ``scores``, 0 elsewhere."""
+    out = torch.zeros(scores.shape[-1], dtype=torch.float32)
+    out[torch.topk(scores, k, sorted=False).indices] = 1.0
+    return out
 
 
 def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
@@ -140,13 +156,15 @@ def select_row(
     scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
     similarity = float(mean_pairwise_jaccard(topk_indices(scores.unsqueeze(0), k))[0])
+    combined = normalised_sum(scores)
+    importance = top_mask(combined, k)
 
     if similarity >= threshold:
         if mode == "block":
-            rows = select_units(normalised_sum(scores), layout.unit_of, k)
+            rows = select_units(combined, layout.unit_of, k)
         else:
             rows = vote(scores.unsqueeze(0), k)[0]
-        return load_rows(layout, rows, read_units, similarity, threshold, False)
+        return load_rows(layout, rows, read_units, similarity, threshold, False, importance)
 
     # the probe heads disagree: every KV head chooses its own rows
     if list(probe_kv_heads) == list(range(hkv)):
@@ -156,9 +174,9 @@ def select_row(
             rows = torch.stack([select_units(scores[h], layout.unit_of, k) for h in range(hkv)])
         else:
             rows = topk_indices(scores.unsqueeze(0), k)[0]  # [Hkv, k]
-        return load_rows(layout, rows, read_units, similarity, threshold, True)
+        return load_rows(layout, rows, read_units, similarity, threshold, True, importance)
     # read the whole layer to get every KV head's keys
     units, blocks, full_k = read_all(layout, read_units)
     rows = topk_indices(kv_head_scores(queries, full_k, new_keys).unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats)
+    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, importance)

@@ -20,7 +20,7 @@ import hashlib
 import os
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,11 +135,18 @@ def context_digest(tokens: np.ndarray) -> bytes:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).digest()
 
 
-def file_seed(file_uuid: bytes, context: bytes, first_pos: int, tokens: np.ndarray) -> int:
+def file_seed(
+    file_uuid: bytes, context: bytes, first_pos: int, tokens: np.ndarray, perm: np.ndarray | None = None
+) -> int:
     """The identity of a chunk file that every block checksum starts from: its UUID, the
-    digest of the tokens before its first row, that row's position and its rows' tokens."""
+    digest of the tokens before its first row, that row's position, its rows' tokens and,
+    for a reordered file, its row permutation (so a block cannot be read with another
+    file's permutation)."""
     head = file_uuid + context + struct.pack("<q", first_pos)
-    return crc32c.crc32c(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), crc32c.crc32c(head))
+    seed = crc32c.crc32c(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), crc32c.crc32c(head))
+    if perm is not None:
+        seed = crc32c.crc32c(np.ascontiguousarray(perm, dtype="<i4").tobytes(), seed)
+    return seed
 
 
 def block_seeds(seed: int, kinds: np.ndarray, layers: np.ndarray, blocks: np.ndarray) -> np.ndarray:
@@ -173,13 +180,17 @@ class ChunkFormat(ABC):
         self.fsync = fsync
 
     @abstractmethod
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
+    def write(
+        self, path: Path, blocks: list[BlockData], metadata: dict[str, str], between: Callable[[], None] | None = None
+    ) -> list[int]:
         """Write ``blocks`` to ``path`` (a new file) and return each block's file offset.
 
         Every block must start 4 KiB aligned. ``metadata`` (string keys and values) goes
         into the file's header, so that the file describes itself. The caller writes to
         a temporary name and renames it; the format only has to produce a complete file
-        and flush it to the device when ``fsync`` is set.
+        and flush it to the device when ``fsync`` is set. ``between``, when given, is
+        called before each block is written (a background rewrite waits there while
+        requests run).
         """
 
     @abstractmethod

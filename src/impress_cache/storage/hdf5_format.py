@@ -9,6 +9,7 @@ other format. The file stays readable with h5py or any HDF5 tool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -23,7 +24,9 @@ _NP = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uin
 class HDF5Format(ChunkFormat):
     suffix = "h5"
 
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
+    def write(
+        self, path: Path, blocks: list[BlockData], metadata: dict[str, str], between: Callable[[], None] | None = None
+    ) -> list[int]:
         offsets: list[int] = []
         with h5py.File(path, "w", libver="latest", alignment_threshold=1, alignment_interval=ALIGN) as f:
             for key, value in metadata.items():
@@ -32,6 +35,8 @@ class HDF5Format(ChunkFormat):
             for blk in blocks:
                 if blk.dtype not in _NP:
                     raise TypeError(f"HDF5 chunk files support {list(_NP)}, not {blk.dtype}")
+                if between is not None:
+                    between()
                 arr = np.frombuffer(blk.payload, dtype=_NP[blk.dtype]).reshape(blk.shape)
                 datasets.append((blk, f.create_dataset(blk.name.replace(".", "/"), data=arr)))
             f.flush()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,9 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 class SafetensorsFormat(ChunkFormat):
     suffix = "safetensors"
 
-    def write(self, path: Path, blocks: list[BlockData], metadata: dict[str, str]) -> list[int]:
+    def write(
+        self, path: Path, blocks: list[BlockData], metadata: dict[str, str], between: Callable[[], None] | None = None
+    ) -> list[int]:
         header: dict[str, object] = {"__metadata__": dict(metadata)}
         rel = 0
         placed: list[tuple[BlockData, int]] = []
@@ -54,6 +57,8 @@ class SafetensorsFormat(ChunkFormat):
                 pos = data_start + off
                 if f.tell() < pos:
                     f.write(b"\0" * (pos - f.tell()))
+                if between is not None:
+                    between()
                 f.write(blk.payload)
                 offsets.append(pos)
             f.flush()

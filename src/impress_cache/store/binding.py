@@ -9,7 +9,7 @@ import torch
 
 from .. import probe as probe_codec
 from ..config import ImpressConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreFormatError
 from ..index.sqlite import Index
 from ..model_info import ModelSpec, model_spec
 
@@ -58,6 +58,18 @@ def choose_probe_heads(num_attention_heads: int, num_key_value_heads: int, probe
     heads = [g * group + r for r in range(full_rounds) for g in range(num_key_value_heads)]
     heads.extend(g * group + full_rounds for g in range(rem))
     return sorted(heads)
+
+
+def recorded(index: Index, path: Path) -> tuple[ModelSpec, ProbeSpec]:
+    """The model and probe settings an existing store records (for maintenance without
+    the model); `StoreFormatError` when the directory holds no bound store."""
+    model, probe = index.get_json("model"), index.get_json("probe")
+    if model is None or probe is None:
+        raise StoreFormatError(
+            f"{path} holds no store bound to a model yet; open it once with the model (ImpressStore(path, model))"
+        )
+    spec = ModelSpec(**model)
+    return spec, ProbeSpec(tuple(probe["query_heads"]), tuple(probe["kv_heads"]), probe["encoding"], spec.head_dim)
 
 
 def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path) -> tuple[ModelSpec, ProbeSpec]:

@@ -86,6 +86,8 @@ class _Plan:
     disk: np.ndarray | None = None
     batch: ReadBatch | None = None
     t0: float = 0.0
+    #: maintenance read: nothing counted
+    quiet: bool = False
 
 
 class PendingRead:
@@ -193,21 +195,24 @@ class BlockIO:
         decode: bool = False,
         known: Mapping[int, torch.Tensor] | None = None,
         place_hits: bool = True,
+        quiet: bool = False,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` (default: all) of ``layout`` for every layer
         in ``layers``; key ``i * len(units) + j`` is unit ``units[j]`` of ``layers[i]``.
         ``shares`` has one entry per unit (the same in every layer). With
         ``place_hits=False`` memory-tier hits are not copied into the pool but held
-        (`BlockSet.held`): a caller that copies blocks out once (`gather_into`) saves a copy."""
+        (`BlockSet.held`): a caller that copies blocks out once (`gather_into`) saves a copy.
+        A ``quiet`` read (maintenance) goes straight to disk: no memory tiers, no block
+        statistics, no I/O counters."""
         u = np.arange(len(layout.units)) if units is None else np.asarray(units, dtype=np.int64)
         files = np.tile(layout.unit_files[u], len(layers))
         blocks = np.tile(layout.unit_blocks[u], len(layers))
         lay = np.repeat(np.asarray(layers, dtype=np.int64), len(u))
         per_key = None if shares is None else list(shares) * len(layers)
-        return self._start(kind, files, lay, blocks, per_key, decode, known, place_hits)
+        return self._start(kind, files, lay, blocks, per_key, decode, known, place_hits, quiet)
 
     # -- steps -----------------------------------------------------------------------
-    def _start(self, kind, files, layers, blocks, shares, decode, known, place_hits=True) -> PendingRead:  # type: ignore[no-untyped-def]
+    def _start(self, kind, files, layers, blocks, shares, decode, known, place_hits=True, quiet=False) -> PendingRead:  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         code = block_code(files, layers, blocks)
         uniq, first, inverse = np.unique(code, return_index=True, return_inverse=True)
@@ -231,7 +236,7 @@ class BlockIO:
         nbytes = rows * row_bytes
         plan = _Plan(
             kind, s_files, s_layers, s_blocks, rows, nbytes, share_arr, inverse.tolist(), decode,
-            self._pool(kind, n, int(rows.max()) if n else 1), t0=t0,
+            self._pool(kind, n, int(rows.max()) if n else 1), t0=t0, quiet=quiet,
         )
         disk = np.ones(n, dtype=bool)
         if known:
@@ -240,7 +245,7 @@ class BlockIO:
             for s, _ in held:
                 disk[s] = False
                 plan.source[s] = "known"
-        if self._tiers.enabled:
+        if self._tiers.enabled and not quiet:
             plan.keys = [(int(f), kind, int(la), int(bl)) for f, la, bl in zip(s_files, s_layers, s_blocks)]
         if self._tiers.enabled and plan.keys is not None:
             todo = np.flatnonzero(disk).tolist()
@@ -345,6 +350,8 @@ class BlockIO:
         label = "kv" if kind == KV else "probe"
         looked = [s for s in range(len(nbytes)) if plan.source.get(s) != "known"]
         stats = ReadStats(disk_bytes=nbytes_disk, disk_blocks=len(disk), memory_blocks=len(looked) - len(disk))
+        if plan.quiet:
+            return stats
         disk_sum = int(nbytes[disk].sum())
         with self._lock:
             c = self.counters

@@ -46,6 +46,8 @@ class OpenFile:
     path: Path
     table: BlockTable
     fd: int | None = None
+    #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
+    perm: np.ndarray | None = None
 
 
 class Catalog:
@@ -57,7 +59,7 @@ class Catalog:
         index: Index,
         row_bytes: tuple[int, int],
         on_forget: Callable[[set[int]], None],
-        on_split: Callable[[int, tuple[int, int]], None] = lambda old, new: None,
+        on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
     ) -> None:
         self.root = root
         self.chunks = root / CHUNK_DIR
@@ -170,7 +172,7 @@ class Catalog:
             if plan.split is not None:
                 old, k = plan.split
                 parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
-                self._on_split(old.id, (ids["upper"], ids["lower"]))
+                self._on_split(old.id, (ids["upper"], ids["lower"]), k)
                 if plan.leaf is None:
                     parent.terminal += 1
             leaf = None
@@ -180,6 +182,39 @@ class Catalog:
             elif plan.terminal is not None:
                 plan.terminal.terminal += 1
             return (file_id, leaf) if record is not None else None
+
+    def replace_node(
+        self, node: RadixNode, new_file: NewFile
+    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
+        """Point ``node`` at ``new_file`` (its rows rewritten) in one index transaction,
+        then in the tree: a new node takes its place, its children and its count of
+        stored sequences. Returns ``(file_id, new node, dropped files)`` (the files no
+        node references any more: the caller unlinks them when no lease holds them), or
+        ``None`` when ``node`` is no longer in the tree as it was (split, removed or
+        replaced meanwhile, by this or another process); the caller then deletes the
+        new file."""
+        with self.lock:
+            with self.index.transaction() as conn:
+                self.refresh()  # under the write lock: nobody commits between this and ours
+                current = self.tree.get(node.id)
+                if (
+                    current is None or current.parent is None or current.file_id != node.file_id
+                    or current.file_row != node.file_row or len(current.tokens) != len(node.tokens)
+                ):
+                    return None
+                node = current  # the same node, perhaps reloaded from the index
+                file_id = self.index.add_file(conn, new_file)
+                new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
+                self.index.reparent(conn, node.id, new_id)
+                self.index.delete_node(conn, node.id)
+                dropped = self.drop_unreferenced_files(conn)
+                record = self.index.file(file_id)
+            assert record is not None
+            self.records[file_id] = record
+            for rec in dropped:
+                self.records.pop(rec.id, None)
+            new = self.tree.replace(node, new_id, file_id, 0)
+            return file_id, new, dropped
 
     def remove(self, conn: object, node: RadixNode) -> None:
         """Remove a leaf from the index (inside ``conn``'s transaction) and the tree.
@@ -207,9 +242,12 @@ class Catalog:
             arrays = self.index.block_table(file_id)
             if arrays is None:
                 raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
-            seed = file_seed(bytes.fromhex(record.name[:32]), record.context, record.first_pos, record.tokens)
+            perm = self.index.file_perm(file_id) if record.reordered else None
+            if record.reordered and perm is None:
+                raise CorruptBlockError(f"file {file_id} is reordered but the index has no permutation for it", file_id)
+            seed = file_seed(bytes.fromhex(record.name[:32]), record.context, record.first_pos, record.tokens, perm)
             table = BlockTable.build(*arrays, seed, record.n_tokens, record.chunk_tokens, self._row_bytes)
-            f = OpenFile(record, self.chunks / record.name, table)
+            f = OpenFile(record, self.chunks / record.name, table, perm=perm)
             self._open[file_id] = f
             return f
 
@@ -229,6 +267,13 @@ class Catalog:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 f.fd = fd
             return f.fd
+
+    def perm_of(self, file_id: int) -> np.ndarray | None:
+        """The row permutation of a reordered file (``None``: rows in prompt order)."""
+        record = self.records.get(file_id)
+        if record is not None and not record.reordered:
+            return None
+        return self.open_file(file_id).perm
 
     def chunk_tokens_of(self, file_id: int) -> int:
         record = self.records.get(file_id)

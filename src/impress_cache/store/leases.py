@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from ..index.radix import Match
+from .activity import Activity
 
 #: seconds after a match during which the disk budget leaves the matched files alone
 MATCH_GRACE_S = 5.0
@@ -30,10 +31,10 @@ class PrefixLease:
     drops the references; calling it twice is harmless.
     """
 
-    def __init__(self, table: LeaseTable, file_ids: Sequence[int]) -> None:
+    def __init__(self, table: LeaseTable, file_ids: Sequence[int], request: bool = True) -> None:
         #: the files this lease holds (one reference each)
         self.file_ids = tuple(file_ids)
-        self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.file_ids)
+        self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.file_ids, request)
 
     @property
     def active(self) -> bool:
@@ -51,20 +52,25 @@ class PrefixLease:
         self.release()
 
 
-def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ...]) -> None:
+def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ...], request: bool) -> None:
     table = table_ref()
     if table is not None:
-        table.release(file_ids)
+        table.release(file_ids, request)
 
 
 class LeaseTable:
     """Lease references and match grace periods of one store, by file."""
 
     def __init__(
-        self, clock: Callable[[], float], unlink: Callable[[str], None], grace_s: float | None = None
+        self,
+        clock: Callable[[], float],
+        unlink: Callable[[str], None],
+        grace_s: float | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self._clock = clock
         self._unlink = unlink
+        self._activity = activity
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
         self._lock = threading.Lock()
@@ -90,14 +96,22 @@ class LeaseTable:
         with self._lock:
             return {k: v for k, v in self._held.items() if v > 0}
 
-    def lease(self, matches: Iterable[Match]) -> PrefixLease:
-        """One reference on every file of every match."""
-        ids = [seg.file_id for m in matches for seg in m.segments]
-        with self._lock:
-            self._held.update(ids)
-        return PrefixLease(self, ids)
+    def lease(self, matches: Iterable[Match], request: bool = True) -> PrefixLease:
+        """One reference on every file of every match. A ``request`` lease also counts as
+        activity (background maintenance waits until no request holds one)."""
+        return self.hold([seg.file_id for m in matches for seg in m.segments], request)
 
-    def release(self, file_ids: Iterable[int]) -> None:
+    def hold(self, file_ids: Sequence[int], request: bool = True) -> PrefixLease:
+        """One reference on every file of ``file_ids``."""
+        with self._lock:
+            self._held.update(file_ids)
+        if request and self._activity is not None:
+            self._activity.enter()
+        return PrefixLease(self, file_ids, request)
+
+    def release(self, file_ids: Iterable[int], request: bool = True) -> None:
+        if request and self._activity is not None:
+            self._activity.leave()
         unlink = []
         with self._lock:
             for fid in file_ids:

@@ -1,5 +1,6 @@
-"""Statistics that survive restarts: the memory tiers' block statistics (their cold start)
-and the nodes' access statistics (the disk budget's values).
+"""Statistics that survive restarts: the memory tiers' block statistics (their cold start),
+the nodes' access statistics (the disk budget's values) and the nodes' row importance
+(the reorganiser's input).
 
 Every block a request accesses through the memory tiers is marked, and so is every node
 it reuses; the marked statistics are written to the index on `flush`, on `close` and,
@@ -19,6 +20,7 @@ from typing import Any
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
 from ..tiers import TierManager
+from .reorder.importance import ImportanceStats
 from .values import NodeValues
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,12 @@ class StatsKeeper:
         nodes: NodeValues,
         interval_s: float | None,
         background: Callable[[Callable[[], Any]], None],
+        importance: ImportanceStats | None = None,
     ) -> None:
         self._index = index
         self._tiers = tiers
         self._nodes = nodes
+        self._importance = importance
         self._interval = interval_s
         self._background = background
         self._lock = threading.Lock()
@@ -89,6 +93,8 @@ class StatsKeeper:
             dirty, self._dirty = self._dirty, set()
         saved_at = time.time()
         self._index.save_node_stats(self._nodes.export(), saved_at)
+        if self._importance is not None:
+            self._index.save_importance(self._importance.export(), saved_at)
         return self._index.save_block_stats(self._tiers.export_stats(dirty), saved_at) if dirty else 0
 
     def _save_quietly(self) -> None:
@@ -101,5 +107,7 @@ class StatsKeeper:
         """Install the saved statistics; returns the number of block records."""
         now = self._tiers.now()
         self._nodes.load(rebase(self._index.load_node_stats(), now).items())
+        if self._importance is not None:
+            self._importance.load(self._index.load_importance())
         rows = self._index.load_block_stats()
         return self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0

@@ -12,6 +12,8 @@ Each job lives in its own module:
 `leases`                  match grace periods and lease references
 `gc`                      quarantine, orphans, the disk budget
 `persist`                 block statistics saved and reloaded
+`reorder`                 row importance per node, and the reorganiser that rewrites nodes
+`activity`                whether requests or writes are in progress (background work waits)
 `binding`                 the model and probe settings a store is bound to
 `report`                  `stats`
 ========================  =============================================================
@@ -35,11 +37,12 @@ from ..errors import ConfigError, StoreFormatError
 from ..index.radix import Match, RadixTree, Segment, as_tokens
 from ..index.sqlite import Index
 from ..storage import FORMATS
-from ..storage.base import KV, PROBE, BlockKey
+from ..storage.base import KV, BlockKey
 from ..storage.reader import BlockReader
 from ..tiers import TierManager
 from ..tiers.policies import make_policy
-from .binding import bind
+from .activity import Activity
+from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
@@ -47,6 +50,8 @@ from .gc import StoreGC
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
+from .reorder import ImportanceStats
+from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
 from .writer import PromptWriter
@@ -77,7 +82,9 @@ class ImpressStore:
     model:
         The Hugging Face causal LM whose K/V the store keeps. Its architecture, KV
         shape, dtype and a weight fingerprint are recorded; reopening the store with
-        a different model raises `ModelMismatchError`.
+        a different model raises `ModelMismatchError`. ``None`` opens an existing
+        store for maintenance (`reorganize`, `enforce_disk_budget`, `stats`) with the
+        model settings it records; such a store cannot serve `ImpressCache` requests.
     config:
         `ImpressConfig`; defaults apply when omitted.
     storage_format:
@@ -101,7 +108,7 @@ class ImpressStore:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        model: torch.nn.Module,
+        model: torch.nn.Module | None,
         config: ImpressConfig | None = None,
         storage_format: str = "safetensors",
         *,
@@ -119,12 +126,15 @@ class ImpressStore:
         (self.path / CHUNK_DIR).mkdir(exist_ok=True)
         index = Index(self.path / INDEX_NAME)
         try:
-            self.spec, self.probe = bind(index, model, self.config, self.path)
+            self.spec, self.probe = (
+                recorded(index, self.path) if model is None else bind(index, model, self.config, self.path)
+            )
             if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
                 raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
             row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
             self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
-            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._values.inherit)
+            self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
+            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split)
         except BaseException:
             index.close()
             raise
@@ -132,23 +142,34 @@ class ImpressStore:
         self._closed = False
         self.device = _model_device(model)
         self.tiers = self._make_tiers()
-        self._leases = LeaseTable(self.clock, self._catalog.unlink)
+        #: requests and writes in progress (background rewrites wait for idleness)
+        self.activity = Activity()
+        self._leases = LeaseTable(self.clock, self._catalog.unlink, activity=self.activity)
         self._reader = BlockReader(threads=cfg.io_threads)
         self._writer = PromptWriter(
-            self._catalog, cfg, self.spec, self.probe, FORMATS[storage_format](fsync=cfg.fsync), self._written
+            self._catalog, cfg, self.spec, self.probe, FORMATS[storage_format](fsync=cfg.fsync), self._written,
+            self.activity,
         )
-        self._stats = StatsKeeper(index, self.tiers, self._values, cfg.stats_interval_s, self._writer.background)
+        self._stats = StatsKeeper(
+            index, self.tiers, self._values, cfg.stats_interval_s, self._writer.background, self._importance
+        )
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
             pin_host=torch.cuda.is_available(),
         )
         self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock)
+        self._reorder = Reordering(
+            self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
+            self.activity, self._importance, self.spec, cfg,
+        )
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
         self._gc.remove_orphans()
         loaded = self._stats.load()
+        if cfg.reorg_idle_ms is not None and model is not None:
+            self._reorder.reorganizer.start()
         log.info(
             "opened store %s: %d nodes, %d files, statistics of %d blocks",
             self.path, len(self.tree), len(index.files()), loaded,
@@ -201,6 +222,7 @@ class ImpressStore:
         if self._closed:
             return
         try:
+            self._reorder.reorganizer.stop()
             self.flush()
         finally:
             self._writer.close()
@@ -231,6 +253,7 @@ class ImpressStore:
         store's clock; take a `lease` to keep them for longer.
         """
         self._check_open()
+        self.activity.touch()
         arr = as_tokens(tokens)
         for _ in range(_MAX_INDEX_REPAIRS):
             with self._catalog.lock:
@@ -264,7 +287,7 @@ class ImpressStore:
 
     def layout(self, segments: Sequence[Segment]) -> PrefixLayout:
         """Units (file blocks) holding a matched prefix; see `PrefixLayout`."""
-        return PrefixLayout(segments, self._catalog.chunk_tokens_of)
+        return PrefixLayout(segments, self._catalog.chunk_tokens_of, self._catalog.perm_of)
 
     # -- reads -----------------------------------------------------------------------
     def read_blocks(
@@ -367,6 +390,11 @@ class ImpressStore:
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
 
+    def _split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
+        """A node was split after ``k`` rows: both halves inherit its statistics."""
+        self._values.inherit(old_id, new_ids)
+        self._importance.split(old_id, new_ids, k)
+
     def _forget_files(self, file_ids: set[int]) -> None:
         """Drop everything the memory tiers know about blocks of deleted files."""
         self.tiers.drop_where(lambda key: key[0] in file_ids)
@@ -388,6 +416,38 @@ class ImpressStore:
         """
         self._check_open()
         return self._gc.enforce(self.config.disk_bytes, protect)
+
+    def record_importance(
+        self, segments: Sequence[Segment], importance: Any, blocks_touched: int = 0, rows_selected: int = 0
+    ) -> None:
+        """What a sparse prefill learned: ``importance`` is ``[layers, positions]`` over
+        its matched ``segments`` (per layer, 1 where a row ranked in the top ``k``;
+        ``None`` when not known), with the blocks it touched for the rows it selected.
+        Feeds the reorganiser (docs: Importance reordering)."""
+        self._reorder.record(segments, importance, blocks_touched, rows_selected)
+
+    def reorganize(self, force: bool = False, limit: int | None = None, progress: bool = False) -> dict[str, Any]:
+        """Rewrite the nodes whose rows the statistics say to reorder, now (waiting, like
+        the background rewrites, for idleness before every block).
+
+        Without ``force`` a node needs ``config.reorg_min_requests`` sparse requests since
+        its order was last decided and an expected gain of ``config.reorg_min_gain``;
+        ``force`` rewrites every node with statistics whose order would pack its
+        important rows into fewer blocks. Returns ``rewritten``, ``abandoned`` (nodes
+        that changed meanwhile), ``bytes_rewritten``, ``seconds`` and ``busy`` (another
+        process or thread was rewriting the store: nothing done)."""
+        self._check_open()
+        self._writer.flush()
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc="reordering", unit="node")
+        try:
+            return self._reorder.reorganizer.run(force, limit, None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def save_block_stats(self) -> int:
         """Write the statistics of the blocks accessed since the last save to the index
@@ -460,21 +520,32 @@ class ImpressStore:
 
             Disk budget: ``disk_budget`` (``None``: unbounded), ``prefixes_evicted``,
             ``files_evicted``, ``disk_bytes_evicted``.
+
+            Reordering: ``reorganisations`` (nodes rewritten), ``bytes_rewritten``,
+            ``reorg_bytes_read``, ``reorg_seconds``, ``reorgs_abandoned``;
+            ``sparse_requests`` and ``blocks_per_selected_row`` (K/V blocks touched per
+            selected row, over every layer of those requests; ``1 / chunk_tokens`` is
+            the least possible).
         """
-        return build_stats(
+        out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
             len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
         )
+        out.update(self._reorder.stats())
+        return out
 
     def reset_stats(self) -> None:
         """Zero the counters of `stats` (tier residency and block statistics stay)."""
         self._writer.counters = type(self._writer.counters)()
         self._gc.counters = type(self._gc.counters)()
         self._io.reset()
+        self._reorder.reset_stats()
         self.tiers.reset_stats()
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def _model_device(model: torch.nn.Module | None) -> torch.device:
+    if model is None:
+        return torch.device("cpu")
     try:
         return next(model.parameters()).device
     except StopIteration:

@@ -32,6 +32,7 @@ from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
 from ..storage.base import KV, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
+from .activity import Activity
 from .binding import ProbeSpec
 from .catalog import Catalog
 
@@ -70,6 +71,7 @@ class PromptWriter:
         probe: ProbeSpec,
         fmt: ChunkFormat,
         on_written: OnWritten,
+        activity: Activity | None = None,
     ) -> None:
         self._catalog = catalog
         self._config = config
@@ -77,6 +79,7 @@ class PromptWriter:
         self._probe = probe
         self._fmt = fmt
         self._on_written = on_written
+        self._activity = activity
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-write")
         self._pending: list[Future[None]] = []
         self.counters = WriteCounters()
@@ -112,11 +115,16 @@ class PromptWriter:
 
     # -- one prompt ------------------------------------------------------------------
     def _write_logged(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        if self._activity is not None:
+            self._activity.enter()
         try:
             self.write(tokens, keys, values)
         except Exception:
             log.exception("storing a prompt of %d tokens failed; the store is unchanged", len(tokens))
             raise
+        finally:
+            if self._activity is not None:
+                self._activity.leave()
 
     def write(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
@@ -147,17 +155,46 @@ class PromptWriter:
     ) -> tuple[NewFile, str]:
         """Write the rows from position ``m`` on to a new chunk file; returns its index
         record and its name (already renamed into place)."""
-        spec, ct = self._spec, self._config.chunk_tokens
-        dtype = spec.torch_kv_dtype
+        dtype = self._spec.torch_kv_dtype
         ks = [k[:, m:].to("cpu", dtype) for k in keys]
         vs = [v[:, m:].to("cpu", dtype) for v in values]
+        return self.write_rows(tokens, m, ks, vs)
+
+    def write_rows(
+        self,
+        tokens: np.ndarray,
+        m: int,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+        order: np.ndarray | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> tuple[NewFile, str]:
+        """Write rows ``m ..`` of the sequence ``tokens`` to a new chunk file (temporary
+        name, fsync, rename, fsync of the directory); returns its index record and name.
+
+        ``ks[layer]`` / ``vs[layer]`` are the rows' ``[kv_heads, len(tokens) - m,
+        head_dim]`` K/V in prompt order (CPU, the store's dtype). With ``order``
+        (``int [layers, rows]``), layer ``l``'s physical row ``j`` holds logical row
+        ``order[l, j]``: the file is reordered and records the inverse permutation.
+        ``between`` is called before each block is written (see `ChunkFormat.write`).
+        """
+        spec, ct = self._spec, self._config.chunk_tokens
         rows = tokens[m:]
         n, layers = len(rows), spec.num_layers
+        perm = None
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            if order.shape != (layers, n) or not (np.sort(order, axis=1) == np.arange(n)).all():
+                raise ValueError(f"order must hold a permutation of {n} rows for each of {layers} layers")
+            perm = np.argsort(order, axis=1).astype(np.int32)
+            idx = [torch.from_numpy(order[layer]) for layer in range(layers)]
+            ks = [k.index_select(1, i) for k, i in zip(ks, idx)]
+            vs = [v.index_select(1, i) for v, i in zip(vs, idx)]
         nb = -(-n // ct)
         file_uuid = uuid.uuid4()
         context = context_digest(tokens[:m])
         seeds = block_seeds(
-            file_seed(file_uuid.bytes, context, m, rows), *np.indices((2, layers, nb))
+            file_seed(file_uuid.bytes, context, m, rows, perm), *np.indices((2, layers, nb))
         )
         checksums = np.zeros((2, layers, nb), dtype=np.uint32)
         blocks = list(iter_blocks(ks, vs, ct))
@@ -184,10 +221,12 @@ class PromptWriter:
             "tokens": _b64(tokens, "<i4"),
             "checksums": _b64(checksums, "<u4"),
         }
+        if perm is not None:
+            meta["perm"] = _b64(perm, "<i4")
         catalog = self._catalog
         tmp = name + ".tmp"
         try:
-            placed = self._fmt.write(catalog.chunks / tmp, blocks, meta)
+            placed = self._fmt.write(catalog.chunks / tmp, blocks, meta, between)
             offsets = np.zeros((2, layers, nb), dtype=np.int64)
             for blk, off in zip(blocks, placed):
                 if blk.kind == KV:
@@ -202,7 +241,8 @@ class PromptWriter:
             catalog.unlink(tmp)
             raise
         nbytes = sum(b.nbytes for b in blocks)
-        return NewFile(name, self._fmt.suffix, m, rows, context, ct, layers, offsets, checksums, nbytes, file_bytes), name
+        new_file = NewFile(name, self._fmt.suffix, m, rows, context, ct, layers, offsets, checksums, nbytes, file_bytes, perm)
+        return new_file, name
 
 
 def check_kv(spec: ModelSpec, n_tokens: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
