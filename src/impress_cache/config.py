@@ -11,7 +11,7 @@ from .probe import ENCODINGS
 from .selection.modes import SELECTION_MODES
 from .tiers.policies import POLICIES
 from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
-from .validate import check_choice, check_class_shares, check_int, check_seconds, check_unit, is_number
+from .validate import check_choice, check_class_shares, check_int, check_remote, check_seconds, check_unit, is_number
 
 _DECODES = ("full", "keep")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -105,6 +105,29 @@ class ImpressConfig:
         the next layer finds most of its rows read; what it chose besides is read then.
         Blocks read this way but not chosen count as invalid I/O (and, with
         ``decode="full"``, are not read again for decoding).
+    remote:
+        URL of a remote tier shared with other hosts (``"s3://bucket/prefix"``; docs:
+        Several hosts), or ``None`` (default) for a store on this host only. Stored
+        prompts are uploaded in the background; a prompt not stored locally is looked up
+        there and its stored prefix downloaded into the local store before it is reused.
+    remote_options:
+        Options for the remote client (s3fs): ``key``, ``secret``, ``client_kwargs``
+        (``endpoint_url``, ``region_name``), ``connect_timeout``, ``read_timeout``,
+        ``retries``.
+    remote_bytes:
+        Byte budget of this model's objects in the remote tier (``None``: unbounded);
+        after an upload that takes it over, the least recently used objects older than
+        ``remote_grace_s`` are deleted.
+    remote_grace_s:
+        Age (by the server's clock) below which a remote object is never deleted, so a
+        host that has just found it can still read it.
+    remote_retry_s:
+        How long a failed upload is retried in the background before it is dropped with
+        a warning (the local store keeps the prompt).
+    remote_key_tokens:
+        Spacing of the lookup keys of a stored prompt (prefix lengths 16, 32, ... below
+        it, then its multiples). A host reuses a remote prefix only up to the last key
+        it shares with the stored prompt plus what the manifest behind that key shares.
     stats_interval_s:
         Block statistics (frequency, importance share, last access) are written to the
         index on `flush`, on `close` and, while requests run, at most every
@@ -137,6 +160,12 @@ class ImpressConfig:
     reorg_idle_ms: float | None = 50.0
     reorg_min_requests: int = 4
     reorg_min_gain: float = 0.2
+    remote: str | None = None
+    remote_options: dict[str, Any] = field(default_factory=dict)
+    remote_bytes: int | None = None
+    remote_grace_s: float = 600.0
+    remote_retry_s: float = 30.0
+    remote_key_tokens: int = 256
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
@@ -173,6 +202,13 @@ class ImpressConfig:
             raise ConfigError(f"reorg_idle_ms must be None or a number of milliseconds >= 0, got {self.reorg_idle_ms!r}")
         check_int("reorg_min_requests", self.reorg_min_requests, 1)
         check_unit("reorg_min_gain", self.reorg_min_gain)
+        check_remote(self.remote, self.remote_options)
+        if self.remote_bytes is not None:
+            check_int("remote_bytes", self.remote_bytes, 1)
+        for name in ("remote_grace_s", "remote_retry_s"):
+            if not is_number(getattr(self, name)) or not 0.0 <= float(getattr(self, name)) < math.inf:
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
+        check_int("remote_key_tokens", self.remote_key_tokens, 16, 1 << 20)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""

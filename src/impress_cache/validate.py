@@ -73,3 +73,12 @@ def check_class_shares(name: str, shares: Any) -> dict[str, float]:
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ConfigError(f"{name} must sum to 1, got {total} for {dict(shares)!r}")
     return {c: float(shares[c]) for c in IMPORTANCE_CLASSES}
+
+
+def check_remote(url: Any, options: Any) -> None:
+    """``None`` or a ``scheme://bucket/prefix`` URL, with a mapping of client options."""
+    if url is not None:
+        if not isinstance(url, str) or "://" not in url or not url.split("://", 1)[1].split("/", 1)[0]:
+            raise ConfigError(f"remote must be None or a URL like 's3://bucket/prefix', got {url!r}")
+    if not isinstance(options, Mapping) or any(not isinstance(k, str) for k in options):
+        raise ConfigError(f"remote_options must be a dict of client options with string keys, got {options!r}")

@@ -51,6 +51,7 @@ from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
+from .remote import RemoteTier
 from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
@@ -162,6 +163,11 @@ class ImpressStore:
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
+        #: the shared tier (``config.remote``): uploads stored prompts, imports others' prefixes
+        self._remote = (
+            RemoteTier(self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
+            if cfg.remote is not None and model is not None else None
+        )
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
@@ -226,6 +232,8 @@ class ImpressStore:
             self.flush()
         finally:
             self._writer.close()
+            if self._remote is not None:
+                self._remote.close()
             self.fetcher.shutdown(wait=True)
             self.loader.shutdown(wait=True)
             self.save_block_stats()
@@ -239,6 +247,8 @@ class ImpressStore:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
         save the statistics of the blocks read since the last save."""
         self._writer.flush()
+        if self._remote is not None:
+            self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
         self.save_block_stats()
 
     def _check_open(self) -> None:
@@ -255,6 +265,8 @@ class ImpressStore:
         self._check_open()
         self.activity.touch()
         arr = as_tokens(tokens)
+        if self._remote is not None:
+            self._remote.pull(arr, limit)  # a prefix another host stored becomes local first
         for _ in range(_MAX_INDEX_REPAIRS):
             with self._catalog.lock:
                 m = self._catalog.match(arr, limit)
@@ -376,7 +388,7 @@ class ImpressStore:
         """Store a prompt's K/V and wait until it is on disk and indexed."""
         self.put_async(tokens, keys, values).result()
 
-    def _written(self, file_id: int, blocks: int, leaf: Any) -> None:
+    def _written(self, file_id: int, blocks: int, leaf: Any, push: bool = True) -> None:
         # a new prefix has statistics from the start (LRU: written counts as used)
         if leaf is not None:
             self._values.seed(leaf.id)
@@ -389,6 +401,8 @@ class ImpressStore:
                 self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
+        if push and leaf is not None and self._remote is not None:
+            self._remote.push(leaf)
 
     def _split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
         """A node was split after ``k`` rows: both halves inherit its statistics."""
@@ -532,6 +546,7 @@ class ImpressStore:
             len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats())
+        out["remote"] = None if self._remote is None else self._remote.stats()
         return out
 
     def reset_stats(self) -> None:

@@ -1,0 +1,208 @@
+"""What the remote tier stores, and how a downloaded object is checked before use.
+
+Names (all below ``m-<namespace>/``, the namespace a digest of the model spec and the
+probe settings, so stores of different models never meet):
+
+``obj/<h>``  a chunk file, byte for byte as the store wrote it; ``h`` = SHA-256 of the
+             namespace, the file's first position and the token ids of the whole
+             sequence up to its last row. Immutable: a name always means the same K/V.
+``man/<h>``  a manifest: the token ids of one stored prompt and the objects (in
+             position order) that hold its rows. Immutable; written after its objects.
+``key/<h>``  a lookup key: ``h`` = SHA-256 of the namespace and the token ids of a
+             prefix that ends at a boundary (`boundaries`); holds the name of a
+             manifest whose prompt starts with that prefix. Written last.
+``use/<h>``  an empty marker rewritten when a host imports ``obj/<h>`` (its recency).
+
+A downloaded object is used only after `parse_object` has checked it completely: its
+header names this model and probe setting, its tokens are the ones the manifest and the
+name promise, and every block's CRC-32C (seeded by the file's identity, as on disk)
+matches. Anything else is `BadObject`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...index.sqlite import NewFile
+from ...model_info import ModelSpec
+from ...storage.base import KV, PROBE, block_seeds, checksum, context_digest, file_seed
+from ..binding import ProbeSpec
+
+MANIFEST_VERSION = 1
+_SMALLEST_BOUNDARY = 16
+
+
+class BadObject(ValueError):
+    """A remote object that must not be used (damaged, foreign, or not what its name says)."""
+
+
+def namespace(spec: ModelSpec, probe: ProbeSpec) -> str:
+    """Digest of everything that makes K/V and probe copies of two stores interchangeable."""
+    ident = {"model": spec.to_dict(), "probe": {"kv_heads": list(probe.kv_heads), "encoding": probe.encoding}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _tok_bytes(tokens: np.ndarray) -> bytes:
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+def object_name(ns: str, first_pos: int, tokens: np.ndarray) -> str:
+    h = hashlib.sha256(f"{ns}/obj/{first_pos}/".encode() + _tok_bytes(tokens)).hexdigest()[:40]
+    return f"m-{ns}/obj/{h}"
+
+
+def key_name(ns: str, prefix: np.ndarray) -> str:
+    h = hashlib.sha256(f"{ns}/key/".encode() + _tok_bytes(prefix)).hexdigest()[:40]
+    return f"m-{ns}/key/{h}"
+
+
+def manifest_name(ns: str, tokens: np.ndarray, objects: list[str]) -> str:
+    h = hashlib.sha256(f"{ns}/man/{','.join(objects)}/".encode() + _tok_bytes(tokens)).hexdigest()[:40]
+    return f"m-{ns}/man/{h}"
+
+
+def use_name(obj: str) -> str:
+    ns, _, h = obj.partition("/obj/")
+    return f"{ns}/use/{h}"
+
+
+def boundaries(length: int, key_tokens: int) -> list[int]:
+    """Prefix lengths that get a lookup key: powers of two from 16 below ``key_tokens``,
+    then every multiple of ``key_tokens``; at most ``length``."""
+    out = []
+    b = _SMALLEST_BOUNDARY
+    while b < key_tokens and b <= length:
+        out.append(b)
+        b *= 2
+    out.extend(range(key_tokens, length + 1, key_tokens))
+    return out
+
+
+@dataclass(frozen=True)
+class ChainEntry:
+    object: str
+    start: int
+    end: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tokens: np.ndarray
+    chain: tuple[ChainEntry, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps({
+            "v": MANIFEST_VERSION,
+            "tokens": base64.b64encode(_tok_bytes(self.tokens)).decode(),
+            "chain": [[c.object, c.start, c.end, c.size] for c in self.chain],
+        }).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, ns: str) -> Manifest:
+        try:
+            d = json.loads(raw)
+            if d.get("v") != MANIFEST_VERSION:
+                raise BadObject(f"manifest version {d.get('v')!r}")
+            tokens = np.frombuffer(base64.b64decode(d["tokens"]), dtype="<i4").astype(np.int64)
+            chain = tuple(ChainEntry(str(o), int(s), int(e), int(n)) for o, s, e, n in d["chain"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadObject(f"unreadable manifest: {exc}") from exc
+        pos = 0
+        for c in chain:
+            if not c.object.startswith(f"m-{ns}/obj/") or not c.start <= pos < c.end or c.end > len(tokens):
+                raise BadObject("manifest chain does not cover its tokens in order")
+            pos = c.end
+        if pos != len(tokens):
+            raise BadObject("manifest chain does not cover its tokens")
+        return cls(tokens, chain)
+
+
+@dataclass
+class ParsedObject:
+    """A checked chunk file: its index record, the whole sequence it extends, its uuid name."""
+
+    new_file: NewFile
+    tokens: np.ndarray
+    file_name: str
+
+
+def _safetensors_header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise BadObject("object shorter than a header")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > len(data) - 8:
+        raise BadObject("header larger than the object")
+    try:
+        return json.loads(data[8 : 8 + size])
+    except ValueError as exc:
+        raise BadObject(f"unreadable header: {exc}") from exc
+
+
+def parse_object(
+    data: bytes, name: str, ns: str, spec: ModelSpec, probe: ProbeSpec, row_bytes: tuple[int, int],
+    verify: bool = True,
+) -> ParsedObject:
+    """Check a downloaded chunk file completely (see the module docstring) and return its
+    index record. ``verify=False`` skips the block checksums (a header-only object, whose
+    blocks are verified when they are read)."""
+    header = _safetensors_header(data)
+    data_start = 8 + struct.unpack("<Q", data[:8])[0]
+    meta = header.get("__metadata__") or {}
+    try:
+        if json.loads(meta["model"]) != spec.to_dict():
+            raise BadObject("object of another model")
+        pr = json.loads(meta["probe"])
+        if list(pr["kv_heads"]) != list(probe.kv_heads) or pr["encoding"] != probe.encoding:
+            raise BadObject("object with other probe settings")
+        uid = bytes.fromhex(meta["uuid"])
+        first_pos, n, ct, layers = (int(meta[k]) for k in ("first_pos", "n_tokens", "chunk_tokens", "layers"))
+        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int64)
+        nb = -(-n // ct)
+        checksums = np.frombuffer(base64.b64decode(meta["checksums"]), dtype="<u4").reshape(2, layers, nb).copy()
+        perm = None
+        if "perm" in meta:
+            perm = np.frombuffer(base64.b64decode(meta["perm"]), dtype="<i4").reshape(layers, n).copy()
+    except BadObject:
+        raise
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BadObject(f"object header incomplete: {exc}") from exc
+    if len(uid) != 16 or layers != spec.num_layers or len(tokens) != first_pos + n or n < 1 or ct < 1:
+        raise BadObject("object header inconsistent")
+    if object_name(ns, first_pos, tokens) != name:
+        raise BadObject("object does not hold the tokens its name promises")
+    rows = tokens[first_pos:]
+    offsets = np.zeros((2, layers, nb), dtype=np.int64)
+    sizes = np.minimum(ct, n - np.arange(nb) * ct)
+    try:
+        for layer in range(layers):
+            for b in range(nb):
+                start, end = header[f"L{layer}.B{b}"]["data_offsets"]
+                offsets[KV, layer, b] = data_start + start
+                if end - start != sizes[b] * row_bytes[KV]:
+                    raise BadObject("block of the wrong size")
+            p0, p1 = header[f"P{layer}"]["data_offsets"]
+            if p1 - p0 != n * row_bytes[PROBE]:
+                raise BadObject("probe copy of the wrong size")
+            offsets[PROBE, layer] = data_start + p0 + np.arange(nb) * ct * row_bytes[PROBE]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadObject(f"object header incomplete: {exc}") from exc
+    ends = offsets + sizes[None, None, :] * np.array(row_bytes, dtype=np.int64)[:, None, None]
+    if offsets.min() < data_start or ends.max() > len(data) and verify:
+        raise BadObject("object truncated")
+    context = context_digest(tokens[:first_pos])
+    if verify:
+        seeds = block_seeds(file_seed(uid, context, first_pos, rows, perm), *np.indices((2, layers, nb)))
+        view = memoryview(data)
+        for idx in np.ndindex(2, layers, nb):
+            if checksum(view[offsets[idx] : ends[idx]], int(seeds[idx])) != int(checksums[idx]):
+                raise BadObject(f"block {idx} fails its checksum")
+    nbytes = int((ends - offsets)[KV].sum()) + layers * n * row_bytes[PROBE]
+    new_file = NewFile(f"{uid.hex()}.safetensors", "safetensors", first_pos, rows, context, ct, layers, offsets, checksums, nbytes, len(data), perm)
+    return ParsedObject(new_file, tokens, new_file.name)

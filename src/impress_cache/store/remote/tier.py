@@ -1,0 +1,358 @@
+"""The remote tier: a shared object store behind the local directory (docs: Several hosts).
+
+The local store stays the index of what this host knows and the only place requests read
+from. `RemoteTier.pull` runs when a request's prompt is not (fully) stored locally: it
+looks the prompt up remotely by the hashes of its prefixes at fixed boundaries (a binary
+search over lookup keys), downloads the objects holding the longest stored prefix, checks
+every byte (`objects.parse_object`) and links them into the local store as chunk files
+and radix nodes; the request then matches locally and reuses exactly as if this host had
+written them. `RemoteTier.push` runs after a prompt was written locally: a background
+thread uploads its chunk files, then the manifest, then the lookup keys (so a prompt is
+advertised only once its data is complete), retrying until ``remote_retry_s`` has passed.
+
+Every remote failure (unreachable, slow, missing, damaged, foreign) costs a recompute and
+one warning per kind, never a failed request or wrong K/V.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ...config import ImpressConfig
+from ...index.radix import RadixNode
+from ...model_info import ModelSpec
+from ...storage.remote import RemoteError, RemoteMissing, open_remote
+from ..binding import ProbeSpec
+from ..catalog import Catalog
+from .objects import BadObject, ChainEntry, Manifest, boundaries, key_name, manifest_name, namespace, object_name, parse_object, use_name
+
+log = logging.getLogger(__name__)
+
+#: called after an import is committed: (file_id, blocks per layer, new leaf)
+OnImported = Callable[[int, int, "RadixNode | None"], None]
+
+
+@dataclass
+class RemoteCounters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    tokens_imported: int = 0
+    objects_downloaded: int = 0
+    bytes_downloaded: int = 0
+    objects_uploaded: int = 0
+    bytes_uploaded: int = 0
+    prompts_advertised: int = 0
+    uploads_dropped: int = 0
+    bad_objects: int = 0
+    remote_errors: int = 0
+    objects_evicted: int = 0
+    bytes_evicted: int = 0
+
+
+@dataclass(frozen=True)
+class _Upload:
+    tokens: np.ndarray  # the stored prompt's path, [0, E)
+    files: tuple[tuple[str, int, int], ...]  # (local name, first position, end used on the path)
+
+
+class RemoteTier:
+    def __init__(
+        self, catalog: Catalog, config: ImpressConfig, spec: ModelSpec, probe: ProbeSpec,
+        row_bytes: tuple[int, int], on_imported: OnImported,
+    ) -> None:
+        self._catalog = catalog
+        self._cfg = config
+        self._spec = spec
+        self._probe = probe
+        self._row_bytes = row_bytes
+        self._on_imported = on_imported
+        self.backend = open_remote(str(config.remote), config.remote_options)
+        self.ns = namespace(spec, probe)
+        self.counters = RemoteCounters()
+        self._known: set[str] = set()  # objects known to be on the remote
+        self._bad: set[str] = set()  # objects that failed their checks (not fetched again)
+        self._warned: set[str] = set()
+        self._import_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-upload")
+        self._pending: list[Future[None]] = []
+        self._pending_lock = threading.Lock()
+
+    # -- faults ----------------------------------------------------------------------
+    def _warn(self, kind: str, exc: BaseException) -> None:
+        if isinstance(exc, BadObject):
+            self.counters.bad_objects += 1
+        else:
+            self.counters.remote_errors += 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("remote tier %s: %s (recomputing; further such messages at debug level)", kind, exc)
+        else:
+            log.debug("remote tier %s: %s", kind, exc)
+
+    # -- lookups and imports ------------------------------------------------------------
+    def pull(self, tokens: np.ndarray, limit: int | None) -> int:
+        """Import from the remote the longest stored prefix of ``tokens[:limit]`` that is
+        longer than the local match; returns the tokens now matched locally beyond it."""
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        local = self._catalog.match(tokens, limit).length
+        cands = [b for b in boundaries(limit, self._cfg.remote_key_tokens) if b > local]
+        if not cands:
+            return 0
+        self.counters.lookups += 1
+        try:
+            manifest = self._find(tokens, cands)
+            if manifest is None:
+                return 0
+            with self._import_lock:
+                self._import(tokens[:limit], manifest)
+        except BadObject as exc:
+            self._warn("object check", exc)
+        except RemoteError as exc:
+            self._warn("request", exc)
+        gained = self._catalog.match(tokens, limit).length - local
+        if gained > 0:
+            self.counters.lookup_hits += 1
+            self.counters.tokens_imported += gained
+        return max(gained, 0)
+
+    def _find(self, tokens: np.ndarray, cands: list[int]) -> Manifest | None:
+        """Binary search for the longest boundary with a lookup key, then its manifest."""
+        lo, hi, found = 0, len(cands) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                found = self.backend.get(key_name(self.ns, tokens[: cands[mid]]))
+                lo = mid + 1
+            except RemoteMissing:
+                hi = mid - 1
+        if found is None:
+            return None
+        try:
+            man = str(json.loads(found)["manifest"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadObject(f"unreadable lookup key: {exc}") from exc
+        if not man.startswith(f"m-{self.ns}/man/"):
+            raise BadObject("lookup key points outside this model's namespace")
+        try:
+            return Manifest.decode(self.backend.get(man), self.ns)
+        except RemoteMissing:
+            return None
+
+    def _import(self, prompt: np.ndarray, manifest: Manifest) -> None:
+        n = min(len(prompt), len(manifest.tokens))
+        diff = np.flatnonzero(prompt[:n] != manifest.tokens[:n])
+        common = int(diff[0]) if len(diff) else n
+        for entry in manifest.chain:
+            if entry.start >= common:
+                break
+            if self._catalog.match(manifest.tokens[: entry.end]).length >= entry.end:
+                continue  # this host has these rows already
+            if entry.object in self._bad:
+                return
+            self._import_object(entry, manifest)
+
+    def _import_object(self, entry: ChainEntry, manifest: Manifest) -> None:
+        data = self.backend.get(entry.object)
+        self.counters.objects_downloaded += 1
+        self.counters.bytes_downloaded += len(data)
+        try:
+            parsed = parse_object(data, entry.object, self.ns, self._spec, self._probe, self._row_bytes)
+            if parsed.new_file.first_pos != entry.start or not np.array_equal(
+                parsed.tokens[: entry.end], manifest.tokens[: entry.end]
+            ):
+                raise BadObject("object does not hold the rows its manifest lists")
+        except BadObject:
+            self._bad.add(entry.object)
+            raise
+        self._known.add(entry.object)
+        cat = self._catalog
+        name = parsed.file_name
+        if os.path.lexists(cat.chunks / name):
+            return  # this host holds that file already (under another path)
+        if cat.match(parsed.tokens).length < parsed.new_file.first_pos:
+            return  # the prefix it extends is not here (removed meanwhile)
+        tmp = name + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=cat.chunks_fd)
+            try:
+                _write_all(fd, data)
+                if self._cfg.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=cat.chunks_fd, dst_dir_fd=cat.chunks_fd)
+            if self._cfg.fsync:
+                os.fsync(cat.chunks_fd)
+            done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
+        except BaseException:
+            cat.unlink(tmp)
+            cat.unlink(name)
+            raise
+        if done is None:
+            cat.unlink(name)
+            return
+        file_id, leaf = done
+        self._on_imported(file_id, parsed.new_file.offsets.shape[2], leaf)
+        try:
+            self.backend.put(use_name(entry.object), b"")
+        except RemoteError as exc:
+            self._warn("recency marker", exc)
+
+    # -- uploads -----------------------------------------------------------------------
+    def push(self, leaf: RadixNode) -> None:
+        """Upload the stored prompt ending at ``leaf`` in the background (called after the
+        local commit, on the writer thread)."""
+        with self._catalog.lock:
+            path: list[RadixNode] = []
+            node: RadixNode | None = leaf
+            while node is not None and node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            files: list[list] = []
+            pos = 0
+            for nd in path:
+                rec = self._catalog.records.get(nd.file_id)
+                if rec is None or rec.format != "safetensors":
+                    return  # only safetensors files travel (docs: Several hosts)
+                if files and files[-1][0] == rec.name:
+                    files[-1][2] = pos + len(nd.tokens)
+                else:
+                    files.append([rec.name, rec.first_pos, pos + len(nd.tokens)])
+                pos += len(nd.tokens)
+            tokens = np.concatenate([nd.tokens for nd in path]).astype(np.int64) if path else np.zeros(0, np.int64)
+        if pos == 0:
+            return
+        job = _Upload(tokens, tuple((a, b, c) for a, b, c in files))
+        try:
+            fut = self._pool.submit(self._upload_retrying, job)
+        except RuntimeError:
+            return  # closed
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def _upload_retrying(self, job: _Upload) -> None:
+        deadline = time.monotonic() + self._cfg.remote_retry_s
+        delay = 0.1
+        while True:
+            try:
+                self._upload(job)
+                return
+            except (RemoteError, BadObject, OSError) as exc:
+                if isinstance(exc, RemoteError):
+                    self.counters.remote_errors += 1
+                if time.monotonic() + delay > deadline or self._stop.is_set():
+                    self.counters.uploads_dropped += 1
+                    log.warning(
+                        "remote tier: dropping the upload of a %d-token prompt after retrying for %.0f s: %s",
+                        len(job.tokens), self._cfg.remote_retry_s, exc,
+                    )
+                    return
+                log.debug("remote tier: upload failed (%s); retrying in %.1f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _upload(self, job: _Upload) -> None:
+        chain = []
+        for local, first_pos, end in job.files:
+            try:
+                fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._catalog.chunks_fd)
+            except FileNotFoundError:
+                log.debug("remote tier: %s is gone locally; not uploading its prompt", local)
+                return
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+            name = object_name(self.ns, first_pos, _header_tokens(data))
+            parse_object(data, name, self.ns, self._spec, self._probe, self._row_bytes)  # never upload damage
+            if name not in self._known and self.backend.head(name) != len(data):
+                self.backend.put(name, data)
+                self.counters.objects_uploaded += 1
+                self.counters.bytes_uploaded += len(data)
+            self._known.add(name)
+            chain.append(ChainEntry(name, first_pos, end, len(data)))
+        manifest = Manifest(job.tokens, tuple(chain))
+        man = manifest_name(self.ns, job.tokens, [c.object for c in chain])
+        raw = manifest.encode()
+        self.backend.put(man, raw)
+        pointer = json.dumps({"manifest": man}).encode()
+        for b in boundaries(len(job.tokens), self._cfg.remote_key_tokens):
+            self.backend.put(key_name(self.ns, job.tokens[:b]), pointer)
+        self.counters.prompts_advertised += 1
+        if self._cfg.remote_bytes is not None:
+            self.enforce_budget(keep={c.object for c in chain})
+
+    # -- remote space ------------------------------------------------------------------
+    def enforce_budget(self, keep: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
+        """Delete the least recently used objects of this model until they fit
+        ``remote_bytes``; objects younger than ``remote_grace_s`` (by the server's
+        clock) stay, so other hosts can finish reading what they just found."""
+        budget = self._cfg.remote_bytes
+        objs = self.backend.list(f"m-{self.ns}/obj/")
+        total = sum(o.size for o in objs)
+        out = {"remote_bytes": total, "evicted_objects": 0, "evicted_bytes": 0}
+        if budget is None or total <= budget:
+            return out
+        uses = {o.name: o.mtime for o in self.backend.list(f"m-{self.ns}/use/")}
+        now = time.time()
+        cands = [o for o in objs if o.name not in keep and now - o.mtime >= self._cfg.remote_grace_s]
+        cands.sort(key=lambda o: max(o.mtime, uses.get(use_name(o.name), 0.0)))
+        for o in cands:
+            if total <= budget:
+                break
+            self.backend.delete([o.name, use_name(o.name)])
+            self._known.discard(o.name)
+            total -= o.size
+            out["evicted_objects"] += 1
+            out["evicted_bytes"] += o.size
+        self.counters.objects_evicted += out["evicted_objects"]
+        self.counters.bytes_evicted += out["evicted_bytes"]
+        out["remote_bytes"] = total
+        return out
+
+    # -- life cycle ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for pending uploads (each ends uploaded or dropped within ``remote_retry_s``)."""
+        while True:
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
+            if not pending:
+                return
+            for f in pending:
+                f.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+        self.backend.close()
+
+    def stats(self) -> dict[str, int]:
+        return asdict(self.counters)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _header_tokens(data: bytes) -> np.ndarray:
+    import base64
+    import struct
+
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8 : 8 + size])["__metadata__"]
+        return np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int64)
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise BadObject(f"local chunk file without a readable header: {exc}") from exc
