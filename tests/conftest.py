@@ -72,3 +72,25 @@ def _smollm2():
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct."""
     return _smollm2()
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A SeaweedFS server (master, volume, filer, S3 gateway) on free loopback ports in a
+    temporary directory, shared by the remote-tier tests; killed (SIGKILL) at teardown."""
+    from impress_cache.tools.seaweed import SeaweedServer
+
+    with SeaweedServer(tmp_path_factory.mktemp("seaweed")) as server:
+        yield server
+
+
+@pytest.fixture
+def own_seaweed(tmp_path):
+    """A SeaweedFS server of one test's own, for tests that kill or pause it."""
+    from impress_cache.tools.seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path / "seaweed")
+    try:
+        yield server.start()
+    finally:
+        server.stop()

@@ -1,0 +1,272 @@
+"""The remote tier against a real SeaweedFS server: exact reuse across hosts (another
+process, restarts, a deleted local directory), faults (server killed mid-request and
+mid-write, paused, damaged objects, another model's object under the same name) and the
+remote byte budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from helpers import assert_same_as_uncached
+from impress_cache import ConfigError, ImpressConfig, ImpressStore
+from impress_cache.storage.s3_remote import S3Backend
+from impress_cache.store import CHUNK_DIR
+
+TESTS = Path(__file__).resolve().parents[1]
+BUCKET = "kvbucket"
+
+
+def _doc(seed=0, n=150):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+def _cfg(server, prefix, **kw):
+    kw = {"chunk_tokens": 16, "important_ratio": 1.0, "fsync": False, "remote_retry_s": 0.5,
+          "remote_options": server.options, **kw}
+    return ImpressConfig(remote=f"s3://{BUCKET}/{prefix}", **kw)
+
+
+@pytest.fixture
+def bucket(seaweed):
+    """A fresh key prefix in the shared server's bucket: ``(server, prefix, backend)``."""
+    prefix = uuid.uuid4().hex[:12]
+    backend = S3Backend(BUCKET, prefix, seaweed.options)
+    backend.ensure_bucket()
+    return seaweed, prefix, backend
+
+
+def _objects(backend, kind):
+    return sorted(e.name for e in backend.list("") if f"/{kind}/" in e.name)
+
+
+def _chunk_files(d: Path) -> list[str]:
+    return sorted(p.name for p in (d / CHUNK_DIR).iterdir())
+
+
+def _store_on_a(tmp_path, model, server, prefix, doc):
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
+        assert_same_as_uncached(model, a, doc)
+        assert a.stats()["remote"]["prompts_advertised"] == 1
+
+
+_HOST_A = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import VOCAB, tiny_model
+    from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+    from impress_cache.hf.compat import CACHE_KWARG
+    cfg = ImpressConfig(**json.loads(sys.argv[2]))
+    doc = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(0))
+    model = tiny_model()
+    with ImpressStore(sys.argv[1], model, cfg) as store:
+        model.generate(doc, max_new_tokens=2, do_sample=False, **{{CACHE_KWARG: ImpressCache(store)}})
+        store.flush()
+        print(json.dumps(store.stats()["remote"]))
+    """
+)
+
+
+def test_another_process_on_another_directory_reuses_exactly(bucket, tmp_path):
+    server, prefix, backend = bucket
+    cfg = _cfg(server, prefix)
+    args = {k: getattr(cfg, k) for k in ("chunk_tokens", "important_ratio", "fsync", "remote", "remote_options")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HOST_A.format(tests=str(TESTS)), str(tmp_path / "a"), json.dumps(args)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["prompts_advertised"] == 1
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path / "b", model, cfg) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == doc.shape[1] - 1
+        remote = b.stats()["remote"]
+        assert remote["tokens_imported"] == doc.shape[1] - 1 and remote["bad_objects"] == 0
+    # both restart: each reuses from its own directory, nothing is downloaded again
+    for host in ("a", "b"):
+        with ImpressStore(tmp_path / host, model, cfg) as s:
+            cache = assert_same_as_uncached(model, s, doc)
+            assert cache.stats.matched_tokens == doc.shape[1] - 1
+            assert s.stats()["remote"]["objects_downloaded"] == 0
+    # a host whose local directory was deleted gets it all back from the remote
+    shutil.rmtree(tmp_path / "b")
+    with ImpressStore(tmp_path / "b", model, cfg) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == doc.shape[1] - 1
+        assert b.stats()["remote"]["objects_downloaded"] == 1
+
+
+def test_a_longer_prompt_reuses_the_shared_part_and_uploads_only_its_own_rows(bucket, tmp_path):
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    _store_on_a(tmp_path, model, server, prefix, doc)
+    longer = torch.cat([doc[:, :100], _doc(seed=7, n=60)], dim=1)  # diverges after 100 tokens
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
+        cache = assert_same_as_uncached(model, b, longer)
+        assert cache.stats.matched_tokens == 100
+        assert b.stats()["remote"]["objects_uploaded"] == 1  # the 60 new rows only
+    with ImpressStore(tmp_path / "c", model, _cfg(server, prefix)) as c:
+        cache = assert_same_as_uncached(model, c, longer)
+        assert cache.stats.matched_tokens == longer.shape[1] - 1
+        assert c.stats()["remote"]["objects_downloaded"] == 2
+
+
+def _corrupt(backend, name, how):
+    raw = bytearray(backend.get(name))
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    if how == "block":
+        raw[data_start + 100] ^= 0xFF
+    else:
+        raw = raw[: len(raw) // 2]
+    backend.put(name, bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["block", "truncated"])
+def test_a_damaged_object_is_recomputed(bucket, tmp_path, how):
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    _store_on_a(tmp_path, model, server, prefix, doc)
+    (obj,) = _objects(backend, "obj")
+    _corrupt(backend, obj, how)
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == 0
+        assert b.stats()["remote"]["bad_objects"] == 1
+        assert len(_chunk_files(tmp_path / "b")) == 1  # its own prompt only, nothing imported
+
+
+def test_another_models_object_under_the_same_name_is_refused(bucket, tmp_path):
+    server, prefix, backend = bucket
+    model, other, doc = tiny_model(), tiny_model(seed=1), _doc()
+    _store_on_a(tmp_path, model, server, prefix, doc)
+    with ImpressStore(tmp_path / "o", other, _cfg(server, prefix)) as o:
+        assert_same_as_uncached(other, o, doc)
+    (ours,), (theirs,) = _names_of(tmp_path / "a", backend), _names_of(tmp_path / "o", backend)
+    assert ours != theirs  # each model has its own namespace
+    backend.put(ours, backend.get(theirs))  # the other model's K/V under our name
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == 0
+        assert b.stats()["remote"]["bad_objects"] == 1
+
+
+def _names_of(store_dir: Path, backend) -> set[str]:
+    """Remote object names of the stores whose namespace a store directory's model has."""
+    from impress_cache.store.remote import namespace
+
+    with ImpressStore(store_dir, None) as s:
+        ns = namespace(s.spec, s.probe)
+    return {n for n in _objects(backend, "obj") if n.startswith(f"m-{ns}/")}
+
+
+def test_server_killed_mid_request(own_seaweed, tmp_path):
+    server = own_seaweed
+    S3Backend(BUCKET, "", server.options).ensure_bucket()
+    model, doc = tiny_model(), _doc()
+    _store_on_a(tmp_path, model, server, "k", doc)
+    with ImpressStore(tmp_path / "b", model, _cfg(server, "k")) as b:
+        tier = b._remote
+        real_get = tier.backend.get
+
+        def get(name):  # the lookup found the manifest; the server dies before the data
+            if "/obj/" in name:
+                server.stop()
+            return real_get(name)
+
+        tier.backend.get = get
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == 0
+        remote = b.stats()["remote"]
+        assert remote["remote_errors"] >= 1 and remote["tokens_imported"] == 0
+        assert remote["uploads_dropped"] == 1  # its own prompt could not be uploaded: dropped
+        assert _chunk_files(tmp_path / "b") and all(n.endswith(".safetensors") for n in _chunk_files(tmp_path / "b"))
+    # the local store is consistent: it reuses its own prompt exactly, server or not
+    with ImpressStore(tmp_path / "b", model, _cfg(server, "k")) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == doc.shape[1] - 1
+
+
+def test_server_killed_mid_write_never_advertises(own_seaweed, tmp_path):
+    server = own_seaweed
+    S3Backend(BUCKET, "", server.options).ensure_bucket()
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path / "a", model, _cfg(server, "w")) as a:
+        tier = a._remote
+        real_put = tier.backend.put
+
+        def put(name, data):  # the data object is up; the server dies before the manifest
+            if "/man/" in name:
+                server.stop()
+            return real_put(name, data)
+
+        tier.backend.put = put
+        assert_same_as_uncached(model, a, doc)  # flushes: the upload is retried, then dropped
+        remote = a.stats()["remote"]
+        assert remote["uploads_dropped"] == 1 and remote["prompts_advertised"] == 0
+    server.start()  # same data directory, new ports
+    backend = S3Backend(BUCKET, "w", server.options)
+    assert len(_objects(backend, "obj")) == 1 and _objects(backend, "key") == []
+    with ImpressStore(tmp_path / "b", model, _cfg(server, "w")) as b:
+        cache = assert_same_as_uncached(model, b, doc)
+        assert cache.stats.matched_tokens == 0  # a prompt without its keys is not found
+
+
+def test_a_paused_server_costs_a_timeout_not_the_request(own_seaweed, tmp_path):
+    server = own_seaweed
+    S3Backend(BUCKET, "", server.options).ensure_bucket()
+    model, doc = tiny_model(), _doc()
+    _store_on_a(tmp_path, model, server, "p", doc)
+    opts = {**server.options, "read_timeout": 1, "connect_timeout": 1, "retries": 1}
+    cfg = _cfg(server, "p", remote_options=opts)
+    os.killpg(server.proc.pid, signal.SIGSTOP)
+    try:
+        with ImpressStore(tmp_path / "b", model, cfg) as b:
+            cache = assert_same_as_uncached(model, b, doc)
+            assert cache.stats.matched_tokens == 0
+            assert b.stats()["remote"]["remote_errors"] >= 1
+    finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+
+
+def test_remote_budget_evicts_only_past_the_grace_period(bucket, tmp_path):
+    server, prefix, backend = bucket
+    model = tiny_model()
+    docs = [_doc(seed=s) for s in (1, 2, 3)]
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
+        for d in docs:
+            assert_same_as_uncached(model, a, d)
+    sizes = {e.name: e.size for e in backend.list("") if "/obj/" in e.name}
+    assert len(sizes) == 3
+    budget = 2 * max(sizes.values()) + 1  # room for two objects
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix, remote_bytes=budget)) as b:
+        out = b._remote.enforce_budget()  # everything is younger than the 600 s grace period
+        assert out["evicted_objects"] == 0 and out["remote_bytes"] > budget
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix, remote_bytes=budget, remote_grace_s=0)) as b:
+        out = b._remote.enforce_budget()
+        assert out["evicted_objects"] == 1 and out["remote_bytes"] <= budget
+    assert len(_objects(backend, "obj")) == 2
+    with ImpressStore(tmp_path / "c", model, _cfg(server, prefix)) as c:
+        matched = [assert_same_as_uncached(model, c, d).stats.matched_tokens for d in docs]
+    # two prompts come from the remote, the evicted one is recomputed (exactly, like all three)
+    assert sorted(matched) == [0, 149, 149]
+
+
+def test_remote_settings_are_validated():
+    for bad in ({"remote": "bucket"}, {"remote": 3}, {"remote_options": []}, {"remote_bytes": 0},
+                {"remote_retry_s": -1}, {"remote_key_tokens": 8}):
+        with pytest.raises(ConfigError):
+            ImpressConfig(**bad)
