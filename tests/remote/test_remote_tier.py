@@ -101,13 +101,13 @@ def test_another_process_on_another_directory_reuses_exactly(bucket, tmp_path):
         with ImpressStore(tmp_path / host, model, cfg) as s:
             cache = assert_same_as_uncached(model, s, doc)
             assert cache.stats.matched_tokens == doc.shape[1] - 1
-            assert s.stats()["remote"]["objects_downloaded"] == 0
+            assert s.stats()["remote"]["bytes_downloaded"] == 0
     # a host whose local directory was deleted gets it all back from the remote
     shutil.rmtree(tmp_path / "b")
     with ImpressStore(tmp_path / "b", model, cfg) as b:
         cache = assert_same_as_uncached(model, b, doc)
         assert cache.stats.matched_tokens == doc.shape[1] - 1
-        assert b.stats()["remote"]["objects_downloaded"] == 1
+        assert b.stats()["remote"]["objects_linked"] == 1
 
 
 def test_a_longer_prompt_reuses_the_shared_part_and_uploads_only_its_own_rows(bucket, tmp_path):
@@ -122,7 +122,29 @@ def test_a_longer_prompt_reuses_the_shared_part_and_uploads_only_its_own_rows(bu
     with ImpressStore(tmp_path / "c", model, _cfg(server, prefix)) as c:
         cache = assert_same_as_uncached(model, c, longer)
         assert cache.stats.matched_tokens == longer.shape[1] - 1
-        assert c.stats()["remote"]["objects_downloaded"] == 2
+        assert c.stats()["remote"]["objects_linked"] == 2
+
+
+def test_a_sparse_request_fetches_only_what_it_reads_and_matches_a_local_one(bucket, tmp_path):
+    from helpers import run
+    from impress_cache import ImpressCache
+
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc(n=400)
+    _store_on_a(tmp_path, model, server, prefix, doc)
+    (obj,) = [e for e in backend.list("") if "/obj/" in e.name]
+    sparse = dict(important_ratio=0.25, decode="keep", prefetch=False, device_bytes=0, host_bytes=0)
+    ask = torch.cat([doc, _doc(seed=9, n=8)], dim=1)  # the stored document plus a question
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix, **sparse)) as a:
+        local, _ = run(model, ask, cache=ImpressCache(a))
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix, **sparse)) as b:
+        cache = ImpressCache(b)
+        remote_run, _ = run(model, ask, cache=cache)
+        b.flush()
+        stats = b.stats()["remote"]
+    assert cache.stats.matched_tokens == doc.shape[1]
+    assert torch.equal(remote_run, local)  # the same rows selected from the same K/V
+    assert stats["ranges_fetched"] >= 1 and 0 < stats["bytes_downloaded"] < 0.6 * obj.size
 
 
 def _corrupt(backend, name, how):
@@ -144,9 +166,15 @@ def test_a_damaged_object_is_recomputed(bucket, tmp_path, how):
     _corrupt(backend, obj, how)
     with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
         cache = assert_same_as_uncached(model, b, doc)
-        assert cache.stats.matched_tokens == 0
+        # a damaged block: linked (its header is intact), quarantined when read, recomputed;
+        # a truncated object: refused when its header comes back short
+        assert cache.stats.quarantined_files == (1 if how == "block" else 0)
         assert b.stats()["remote"]["bad_objects"] == 1
-        assert len(_chunk_files(tmp_path / "b")) == 1  # its own prompt only, nothing imported
+        assert len(_chunk_files(tmp_path / "b")) == 1  # its own prompt only
+        # and the object is not linked again: the next request recomputes at once
+        cache = assert_same_as_uncached(model, b, torch.cat([doc, doc[:, :5]], dim=1))
+        assert cache.stats.quarantined_files == 0
+        assert b.stats()["remote"]["objects_linked"] == (1 if how == "block" else 0)
 
 
 def test_another_models_object_under_the_same_name_is_refused(bucket, tmp_path):
@@ -173,25 +201,31 @@ def _names_of(store_dir: Path, backend) -> set[str]:
     return {n for n in _objects(backend, "obj") if n.startswith(f"m-{ns}/")}
 
 
-def test_server_killed_mid_request(own_seaweed, tmp_path):
+@pytest.mark.parametrize("when", ["header", "blocks"])
+def test_server_killed_mid_request(own_seaweed, tmp_path, when):
     server = own_seaweed
     S3Backend(BUCKET, "", server.options).ensure_bucket()
     model, doc = tiny_model(), _doc()
     _store_on_a(tmp_path, model, server, "k", doc)
     with ImpressStore(tmp_path / "b", model, _cfg(server, "k")) as b:
         tier = b._remote
-        real_get = tier.backend.get
+        real = tier.backend.get_ranges
+        calls = []
 
-        def get(name):  # the lookup found the manifest; the server dies before the data
-            if "/obj/" in name:
+        def get_ranges(name, ranges):  # the server dies before the object's header, or its blocks
+            calls.append(name)
+            if len(calls) == (1 if when == "header" else 2):
                 server.stop()
-            return real_get(name)
+            return real(name, ranges)
 
-        tier.backend.get = get
+        tier.backend.get_ranges = get_ranges
         cache = assert_same_as_uncached(model, b, doc)
-        assert cache.stats.matched_tokens == 0
         remote = b.stats()["remote"]
-        assert remote["remote_errors"] >= 1 and remote["tokens_imported"] == 0
+        if when == "header":
+            assert cache.stats.matched_tokens == 0 and remote["tokens_imported"] == 0
+            assert remote["remote_errors"] >= 1
+        else:  # linked, then the blocks could not come: quarantined and recomputed
+            assert cache.stats.quarantined_files == 1 and remote["tokens_imported"] == doc.shape[1] - 1
         assert remote["uploads_dropped"] == 1  # its own prompt could not be uploaded: dropped
         assert _chunk_files(tmp_path / "b") and all(n.endswith(".safetensors") for n in _chunk_files(tmp_path / "b"))
     # the local store is consistent: it reuses its own prompt exactly, server or not

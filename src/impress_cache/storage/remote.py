@@ -29,6 +29,10 @@ class RemoteMissing(RemoteError):
     """The object does not exist (any more)."""
 
 
+class RemoteShort(RemoteError):
+    """The object is shorter than the range asked for (truncated, or not what was expected)."""
+
+
 @dataclass(frozen=True)
 class RemoteEntry:
     """One listed object: its name below the tier's root, size and modification time (Unix s)."""

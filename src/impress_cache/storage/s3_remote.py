@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .remote import RemoteBackend, RemoteEntry, RemoteError, RemoteMissing
+from .remote import RemoteBackend, RemoteEntry, RemoteError, RemoteMissing, RemoteShort
 
 #: client defaults; any of them can be overridden in ``remote_options``
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -82,7 +82,7 @@ class S3Backend(RemoteBackend):
             if isinstance(got, BaseException):
                 raise _wrap(got, f"get {name}[{start}:{end}]") from got
             if len(got) != end - start:
-                raise RemoteError(f"get {name}[{start}:{end}]: {len(got)} bytes returned")
+                raise RemoteShort(f"get {name}[{start}:{end}]: {len(got)} bytes returned")
         return out
 
     def head(self, name: str) -> int | None:

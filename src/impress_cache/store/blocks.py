@@ -135,6 +135,9 @@ class BlockIO:
         self._pin_host = pin_host
         self._lock = threading.Lock()
         self.counters = IOCounters()
+        #: ``fill(file_id, name, offsets, sizes)`` makes blocks of a file present before they
+        #: are read (the remote tier's linked files); ``None``: every file is whole
+        self.fill: Callable[[int, str, np.ndarray, np.ndarray], None] | None = None
 
     def reset(self) -> None:
         with self._lock:
@@ -271,6 +274,8 @@ class BlockIO:
                     continue
                 t = f.table
                 la, bl = s_layers[sel], s_blocks[sel]
+                if self.fill is not None:
+                    self.fill(f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel])
                 work.append(FileBlocks(
                     f.record.id, f.path, self._catalog.fd(f), t.offsets[kind, la, bl], nbytes[sel],
                     t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes,

@@ -168,6 +168,8 @@ class ImpressStore:
             RemoteTier(self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
             if cfg.remote is not None and model is not None else None
         )
+        if self._remote is not None:
+            self._io.fill = self._remote.fill  # blocks of linked files arrive when read
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
@@ -418,6 +420,9 @@ class ImpressStore:
     def quarantine(self, file_id: int, reason: str) -> None:
         """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
         it; later requests recompute those tokens."""
+        record = self._catalog.records.get(file_id)
+        if self._remote is not None and record is not None:
+            self._remote.quarantined(record.name)
         self._gc.quarantine(file_id, reason)
 
     def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:

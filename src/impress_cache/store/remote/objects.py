@@ -131,6 +131,14 @@ class ParsedObject:
     new_file: NewFile
     tokens: np.ndarray
     file_name: str
+    data_start: int
+
+
+def header_length(data: bytes) -> int:
+    """Bytes before a chunk file's first block (its header), from its first 8 bytes."""
+    if len(data) < 8:
+        raise BadObject("object shorter than a header")
+    return 8 + struct.unpack("<Q", data[:8])[0]
 
 
 def _safetensors_header(data: bytes) -> dict:
@@ -147,11 +155,13 @@ def _safetensors_header(data: bytes) -> dict:
 
 def parse_object(
     data: bytes, name: str, ns: str, spec: ModelSpec, probe: ProbeSpec, row_bytes: tuple[int, int],
-    verify: bool = True,
+    size: int | None = None,
 ) -> ParsedObject:
     """Check a downloaded chunk file completely (see the module docstring) and return its
-    index record. ``verify=False`` skips the block checksums (a header-only object, whose
-    blocks are verified when they are read)."""
+    index record. With ``size`` (the object's size), ``data`` may be its header only:
+    the blocks are then verified when they are read (`lazy`)."""
+    verify = size is None
+    size = len(data) if size is None else size
     header = _safetensors_header(data)
     data_start = 8 + struct.unpack("<Q", data[:8])[0]
     meta = header.get("__metadata__") or {}
@@ -194,7 +204,7 @@ def parse_object(
     except (KeyError, TypeError, ValueError) as exc:
         raise BadObject(f"object header incomplete: {exc}") from exc
     ends = offsets + sizes[None, None, :] * np.array(row_bytes, dtype=np.int64)[:, None, None]
-    if offsets.min() < data_start or ends.max() > len(data) and verify:
+    if offsets.min() < data_start or ends.max() > size:
         raise BadObject("object truncated")
     context = context_digest(tokens[:first_pos])
     if verify:
@@ -204,5 +214,5 @@ def parse_object(
             if checksum(view[offsets[idx] : ends[idx]], int(seeds[idx])) != int(checksums[idx]):
                 raise BadObject(f"block {idx} fails its checksum")
     nbytes = int((ends - offsets)[KV].sum()) + layers * n * row_bytes[PROBE]
-    new_file = NewFile(f"{uid.hex()}.safetensors", "safetensors", first_pos, rows, context, ct, layers, offsets, checksums, nbytes, len(data), perm)
-    return ParsedObject(new_file, tokens, new_file.name)
+    new_file = NewFile(f"{uid.hex()}.safetensors", "safetensors", first_pos, rows, context, ct, layers, offsets, checksums, nbytes, size, perm)
+    return ParsedObject(new_file, tokens, new_file.name, data_start)

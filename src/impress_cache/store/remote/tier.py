@@ -30,12 +30,21 @@ import numpy as np
 from ...config import ImpressConfig
 from ...index.radix import RadixNode
 from ...model_info import ModelSpec
-from ...storage.remote import RemoteError, RemoteMissing, open_remote
+from ...storage.remote import RemoteError, RemoteMissing, RemoteShort, open_remote
 from ..binding import ProbeSpec
 from ..catalog import Catalog
-from .objects import BadObject, ChainEntry, Manifest, boundaries, key_name, manifest_name, namespace, object_name, parse_object, use_name
+from .lazy import RemoteFiles
+from .objects import (
+    BadObject, ChainEntry, Manifest, boundaries, header_length, key_name, manifest_name, namespace, object_name,
+    parse_object, use_name,
+)
 
 log = logging.getLogger(__name__)
+
+#: seconds an object that failed its checks is not imported again by this process
+BAD_COOLDOWN_S = 60.0
+#: bytes asked for first when an object's header is fetched
+HEADER_GUESS = 64 * 1024
 
 #: called after an import is committed: (file_id, blocks per layer, new leaf)
 OnImported = Callable[[int, int, "RadixNode | None"], None]
@@ -46,7 +55,8 @@ class RemoteCounters:
     lookups: int = 0
     lookup_hits: int = 0
     tokens_imported: int = 0
-    objects_downloaded: int = 0
+    objects_linked: int = 0
+    ranges_fetched: int = 0
     bytes_downloaded: int = 0
     objects_uploaded: int = 0
     bytes_uploaded: int = 0
@@ -79,7 +89,8 @@ class RemoteTier:
         self.ns = namespace(spec, probe)
         self.counters = RemoteCounters()
         self._known: set[str] = set()  # objects known to be on the remote
-        self._bad: set[str] = set()  # objects that failed their checks (not fetched again)
+        self._bad: dict[str, float] = {}  # objects that failed: not used again for BAD_COOLDOWN_S
+        self.files = RemoteFiles(catalog.root, catalog.chunks_fd, self.backend, self._fetched)
         self._warned: set[str] = set()
         self._import_lock = threading.Lock()
         self._stop = threading.Event()
@@ -88,6 +99,27 @@ class RemoteTier:
         self._pending_lock = threading.Lock()
 
     # -- faults ----------------------------------------------------------------------
+    def _fetched(self, ranges: int, nbytes: int) -> None:
+        self.counters.ranges_fetched += ranges
+        self.counters.bytes_downloaded += nbytes
+
+    def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """The read path's hook: fetch the blocks of a linked file that are not here yet."""
+        self.files.fill(file_id, local, offsets, sizes)
+
+    def quarantined(self, local: str) -> None:
+        """A local file failed (a damaged block, a fetch that failed): the object it came
+        from is not imported again for a while."""
+        obj = self.files.object_of(local)
+        if obj is not None:
+            self._bad[obj] = time.monotonic()
+            self.counters.bad_objects += 1
+            self.files.drop(local)
+
+    def _is_bad(self, obj: str) -> bool:
+        t = self._bad.get(obj)
+        return t is not None and time.monotonic() - t < BAD_COOLDOWN_S
+
     def _warn(self, kind: str, exc: BaseException) -> None:
         if isinstance(exc, BadObject):
             self.counters.bad_objects += 1
@@ -157,22 +189,31 @@ class RemoteTier:
                 break
             if self._catalog.match(manifest.tokens[: entry.end]).length >= entry.end:
                 continue  # this host has these rows already
-            if entry.object in self._bad:
+            if self._is_bad(entry.object):
                 return
             self._import_object(entry, manifest)
 
     def _import_object(self, entry: ChainEntry, manifest: Manifest) -> None:
-        data = self.backend.get(entry.object)
-        self.counters.objects_downloaded += 1
-        self.counters.bytes_downloaded += len(data)
+        """Link one object into the local store: its header now, its blocks when read."""
         try:
-            parsed = parse_object(data, entry.object, self.ns, self._spec, self._probe, self._row_bytes)
+            head = self.backend.get_ranges(entry.object, [(0, min(entry.size, HEADER_GUESS))])[0]
+            n = header_length(head)
+            if n > len(head):
+                if n > entry.size:
+                    raise BadObject("header larger than the object")
+                head += self.backend.get_ranges(entry.object, [(len(head), n)])[0]
+            head = head[:n]
+            self.counters.bytes_downloaded += len(head)
+            parsed = parse_object(head, entry.object, self.ns, self._spec, self._probe, self._row_bytes, size=entry.size)
             if parsed.new_file.first_pos != entry.start or not np.array_equal(
                 parsed.tokens[: entry.end], manifest.tokens[: entry.end]
             ):
                 raise BadObject("object does not hold the rows its manifest lists")
+        except RemoteShort as exc:
+            self._bad[entry.object] = time.monotonic()
+            raise BadObject(f"object shorter than its manifest says: {exc}") from exc
         except BadObject:
-            self._bad.add(entry.object)
+            self._bad[entry.object] = time.monotonic()
             raise
         self._known.add(entry.object)
         cat = self._catalog
@@ -181,26 +222,18 @@ class RemoteTier:
             return  # this host holds that file already (under another path)
         if cat.match(parsed.tokens).length < parsed.new_file.first_pos:
             return  # the prefix it extends is not here (removed meanwhile)
-        tmp = name + ".tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=cat.chunks_fd)
-            try:
-                _write_all(fd, data)
-                if self._cfg.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, name, src_dir_fd=cat.chunks_fd, dst_dir_fd=cat.chunks_fd)
-            if self._cfg.fsync:
-                os.fsync(cat.chunks_fd)
+            self.files.create(name, entry.object, entry.size, head)
             done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
         except BaseException:
-            cat.unlink(tmp)
+            self.files.drop(name)
             cat.unlink(name)
             raise
         if done is None:
+            self.files.drop(name)
             cat.unlink(name)
             return
+        self.counters.objects_linked += 1
         file_id, leaf = done
         self._on_imported(file_id, parsed.new_file.offsets.shape[2], leaf)
         try:
@@ -248,7 +281,7 @@ class RemoteTier:
             try:
                 self._upload(job)
                 return
-            except (RemoteError, BadObject, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - an upload never fails the store
                 if isinstance(exc, RemoteError):
                     self.counters.remote_errors += 1
                 if time.monotonic() + delay > deadline or self._stop.is_set():
@@ -265,6 +298,14 @@ class RemoteTier:
     def _upload(self, job: _Upload) -> None:
         chain = []
         for local, first_pos, end in job.files:
+            linked = self.files.object_of(local)
+            if linked is not None:  # imported from the remote, not all here: it is there
+                size = self.backend.head(linked)
+                if size is None:
+                    log.debug("remote tier: %s was evicted remotely; not uploading a prompt that needs it", linked)
+                    return
+                chain.append(ChainEntry(linked, first_pos, end, size))
+                continue
             try:
                 fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._catalog.chunks_fd)
             except FileNotFoundError:
@@ -338,12 +379,6 @@ class RemoteTier:
 
     def stats(self) -> dict[str, int]:
         return asdict(self.counters)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _header_tokens(data: bytes) -> np.ndarray:

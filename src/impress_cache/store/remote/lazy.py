@@ -1,0 +1,159 @@
+"""Chunk files linked from the remote tier whose blocks arrive when a request reads them.
+
+An imported object becomes a local chunk file of its full size holding only its header;
+its blocks are holes. `RemoteFiles.fill` runs on the read path before blocks of such a
+file are read from disk: it fetches the byte ranges of the blocks not yet here with
+ranged GETs (neighbouring blocks merged into one range, all ranges of a call issued
+concurrently), writes them into the file and records them as present. The local reader
+then reads and verifies them like any other block: the CRC-32C seeded by the file's
+identity catches a damaged or substituted range, and a failed fetch is reported as a
+`CorruptBlockError`, so the request quarantines the file and recomputes.
+
+Which ranges are present is kept in ``remote/<uuid>.json`` next to ``chunks/`` (object
+name and present ranges), rewritten after each fill; a file whose every block has
+arrived loses its sidecar and is an ordinary chunk file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CorruptBlockError
+from ...storage.base import ALIGN
+from ...storage.remote import RemoteBackend, RemoteError
+
+log = logging.getLogger(__name__)
+
+REMOTE_DIR = "remote"
+
+
+def _merge(ranges: list[tuple[int, int]], gap: int = ALIGN) -> list[tuple[int, int]]:
+    """Sorted, merged ranges; ranges less than ``gap`` bytes apart (alignment padding) become one."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a < out[-1][1] + gap or (out and a <= out[-1][1]):
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+class _Lazy:
+    def __init__(self, obj: str, size: int, data_start: int, present: list[tuple[int, int]]) -> None:
+        self.object = obj
+        self.size = size
+        self.data_start = data_start
+        self.present = _merge(present, gap=0)
+        self.lock = threading.Lock()
+
+    def missing(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        starts = np.array([a for a, _ in self.present], dtype=np.int64)
+        out = []
+        for a, b in ranges:
+            i = int(np.searchsorted(starts, a, side="right")) - 1
+            if i < 0 or self.present[i][1] < b:
+                out.append((a, b))
+        return out
+
+    def complete(self) -> bool:
+        return len(self.present) == 1 and self.present[0] == (0, self.size)
+
+
+class RemoteFiles:
+    """The lazily filled chunk files of one store directory."""
+
+    def __init__(self, root: Path, chunks_fd: int, backend: RemoteBackend, on_fetch: Callable[[int, int], None]) -> None:
+        self.dir = root / REMOTE_DIR
+        self.dir.mkdir(exist_ok=True)
+        self._chunks_fd = chunks_fd
+        self._backend = backend
+        self._on_fetch = on_fetch  # (ranges, bytes) fetched
+        self._files: dict[str, _Lazy] = {}
+        self._lock = threading.Lock()
+        for side in self.dir.glob("*.json"):
+            local = side.stem + ".safetensors"
+            try:
+                os.stat(local, dir_fd=chunks_fd)
+                d = json.loads(side.read_text())
+                self._files[local] = _Lazy(d["object"], int(d["size"]), int(d["data_start"]), [tuple(r) for r in d["present"]])
+            except (OSError, ValueError, KeyError, TypeError):
+                side.unlink(missing_ok=True)  # its chunk file is gone, or the sidecar is damaged
+
+    def object_of(self, local: str) -> str | None:
+        """The remote object a lazily filled local file stands for."""
+        with self._lock:
+            lz = self._files.get(local)
+        return None if lz is None else lz.object
+
+    def create(self, local: str, obj: str, size: int, header: bytes) -> None:
+        """Write a new local file of ``size`` bytes holding ``header``; the rest are holes.
+        The caller renames nothing: the file is created under its final name, and is
+        an orphan (removed on open) until the index commits it."""
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self._chunks_fd)
+        try:
+            view = memoryview(header)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        lz = _Lazy(obj, size, len(header), [(0, len(header))])
+        with self._lock:
+            self._files[local] = lz
+        self._save(local, lz)
+
+    def drop(self, local: str) -> None:
+        with self._lock:
+            self._files.pop(local, None)
+        (self.dir / (local.split(".")[0] + ".json")).unlink(missing_ok=True)
+
+    def _save(self, local: str, lz: _Lazy) -> None:
+        side = self.dir / (local.split(".")[0] + ".json")
+        if lz.complete():
+            side.unlink(missing_ok=True)
+            return
+        tmp = side.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"object": lz.object, "size": lz.size, "data_start": lz.data_start, "present": lz.present}))
+        os.replace(tmp, side)
+
+    def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Make the blocks at ``offsets`` (``sizes`` bytes each) of a local file present,
+        fetching what is missing; raises `CorruptBlockError` if the remote cannot serve it."""
+        with self._lock:
+            lz = self._files.get(local)
+        if lz is None:
+            return
+        want = [(int(a), int(a) + int(n)) for a, n in zip(offsets.tolist(), sizes.tolist())]
+        with lz.lock:
+            todo = _merge(lz.missing(want))
+            if not todo:
+                return
+            t0 = time.perf_counter()
+            try:
+                parts = self._backend.get_ranges(lz.object, todo)
+            except RemoteError as exc:
+                raise CorruptBlockError(f"blocks of {local} could not be fetched from the remote tier: {exc}", file_id) from exc
+            fd = os.open(local, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._chunks_fd)
+            try:
+                for (a, _), data in zip(todo, parts):
+                    view, pos = memoryview(data), a
+                    while view:
+                        n = os.pwrite(fd, view, pos)
+                        view, pos = view[n:], pos + n
+            finally:
+                os.close(fd)
+            lz.present = _merge(lz.present + todo, gap=0)
+            self._save(local, lz)
+            if lz.complete():
+                with self._lock:
+                    self._files.pop(local, None)
+            self._on_fetch(len(todo), sum(b - a for a, b in todo))
+            log.debug("fetched %d ranges of %s in %.3f s", len(todo), local, time.perf_counter() - t0)
