@@ -13,7 +13,7 @@ without the GIL) before the batch is reported done.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,9 @@ class FileBlocks:
     expected: np.ndarray  # uint32
     seeds: np.ndarray  # uint32
     dest: np.ndarray  # int64 byte offsets into the destination buffer
+    #: called on a reader thread before the blocks are read (e.g. to fetch them from a
+    #: remote tier into the file); its `CorruptBlockError` fails the read like a bad block
+    before: Callable[[], None] | None = None
 
 
 class ReadBatch:
@@ -105,10 +108,22 @@ class BlockReader:
         """Start reading every group's blocks into ``dest`` at their ``dest`` offsets."""
         futures: list[Future[int]] = []
         for g in groups:
-            futures.extend(self._submit_group(g, dest))
+            if g.before is None:
+                futures.extend(self._submit_group(g, dest))
+            else:  # one task: make the blocks present, then read them all
+                futures.append(self._pool.submit(self._before_then_read, g, dest))
         return ReadBatch(futures)
 
+    def _before_then_read(self, g: FileBlocks, dest: memoryview) -> int:
+        assert g.before is not None
+        g.before()
+        return sum(_read_run(g, idx, dest) for idx in self._runs(g))
+
     def _submit_group(self, g: FileBlocks, dest: memoryview) -> list[Future[int]]:
+        return [self._pool.submit(_read_run, g, idx, dest) for idx in self._runs(g)]
+
+    def _runs(self, g: FileBlocks) -> list[np.ndarray]:
+        """The group's blocks cut into runs, each read with one ``preadv``."""
         order = np.argsort(g.offsets, kind="stable")
         off, size = g.offsets[order], g.nbytes[order]
         ends = off + size
@@ -119,16 +134,16 @@ class BlockReader:
         gap[1:] = off[1:] - ends[:-1]
         breaks = np.flatnonzero((gap < 0) | (gap >= ALIGN))
         starts = [0, *breaks.tolist(), len(off)]
-        futures = []
+        runs = []
         for a, b in zip(starts[:-1], starts[1:]):
             lo = a
             while lo < b:
                 hi = lo + 1
                 while hi < b and ends[hi] - off[lo] <= self.max_merge_bytes and hi - lo < _MAX_IOV // 2:
                     hi += 1
-                futures.append(self._pool.submit(_read_run, g, order[lo:hi], dest))
+                runs.append(order[lo:hi])
                 lo = hi
-        return futures
+        return runs
 
 
 def _open(g: FileBlocks) -> int:

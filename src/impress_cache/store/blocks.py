@@ -11,11 +11,13 @@ the call is accounted once. `start` returns at once with the disk reads in fligh
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,8 +138,9 @@ class BlockIO:
         self._lock = threading.Lock()
         self.counters = IOCounters()
         #: ``fill(file_id, name, offsets, sizes)`` makes blocks of a file present before they
-        #: are read (the remote tier's linked files); ``None``: every file is whole
-        self.fill: Callable[[int, str, np.ndarray, np.ndarray], None] | None = None
+        #: are read, for files where ``fill.linked(name)`` (the remote tier's linked files,
+        #: `RemoteFiles`); ``None``: every file is whole
+        self.fill: Any = None
 
     def reset(self) -> None:
         with self._lock:
@@ -274,11 +277,11 @@ class BlockIO:
                     continue
                 t = f.table
                 la, bl = s_layers[sel], s_blocks[sel]
-                if self.fill is not None:
-                    self.fill(f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel])
                 work.append(FileBlocks(
                     f.record.id, f.path, self._catalog.fd(f), t.offsets[kind, la, bl], nbytes[sel],
                     t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes,
+                    None if self.fill is None or not self.fill.linked(f.record.name)
+                    else functools.partial(self.fill.fill, f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel]),
                 ))
             plan.batch = self._reader.submit(work, memoryview(flat))
         return PendingRead(self, plan)

@@ -169,7 +169,7 @@ class ImpressStore:
             if cfg.remote is not None and model is not None else None
         )
         if self._remote is not None:
-            self._io.fill = self._remote.fill  # blocks of linked files arrive when read
+            self._io.fill = self._remote.files  # blocks of linked files arrive when read
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes

@@ -87,6 +87,10 @@ class RemoteFiles:
             except (OSError, ValueError, KeyError, TypeError):
                 side.unlink(missing_ok=True)  # its chunk file is gone, or the sidecar is damaged
 
+    def linked(self, local: str) -> bool:
+        """Whether blocks of a local file may still have to come from the remote."""
+        return local in self._files
+
     def object_of(self, local: str) -> str | None:
         """The remote object a lazily filled local file stands for."""
         with self._lock:

@@ -103,10 +103,6 @@ class RemoteTier:
         self.counters.ranges_fetched += ranges
         self.counters.bytes_downloaded += nbytes
 
-    def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        """The read path's hook: fetch the blocks of a linked file that are not here yet."""
-        self.files.fill(file_id, local, offsets, sizes)
-
     def quarantined(self, local: str) -> None:
         """A local file failed (a damaged block, a fetch that failed): the object it came
         from is not imported again for a while."""
@@ -164,6 +160,7 @@ class RemoteTier:
             mid = (lo + hi) // 2
             try:
                 found = self.backend.get(key_name(self.ns, tokens[: cands[mid]]))
+                self.counters.bytes_downloaded += len(found)
                 lo = mid + 1
             except RemoteMissing:
                 hi = mid - 1
@@ -176,7 +173,9 @@ class RemoteTier:
         if not man.startswith(f"m-{self.ns}/man/"):
             raise BadObject("lookup key points outside this model's namespace")
         try:
-            return Manifest.decode(self.backend.get(man), self.ns)
+            raw = self.backend.get(man)
+            self.counters.bytes_downloaded += len(raw)
+            return Manifest.decode(raw, self.ns)
         except RemoteMissing:
             return None
 
