@@ -40,6 +40,7 @@ class S3Backend(RemoteBackend):
         config.setdefault("connect_timeout", opts.pop("connect_timeout"))
         config.setdefault("read_timeout", opts.pop("read_timeout"))
         config.setdefault("retries", {"max_attempts": 1})
+        config.setdefault("max_pool_connections", 32)  # ranges of a read are fetched concurrently
         self.fs = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True, **opts)
         self.fs.retries = max(1, retries)
         self.root = f"{bucket}/{prefix}".rstrip("/")

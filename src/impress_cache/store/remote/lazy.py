@@ -33,6 +33,8 @@ from ...storage.remote import RemoteBackend, RemoteError
 log = logging.getLogger(__name__)
 
 REMOTE_DIR = "remote"
+#: ranges (GETs) one fill issues at most; neighbours are merged, smallest gaps first
+MAX_RANGES = 4
 
 
 def _merge(ranges: list[tuple[int, int]], gap: int = ALIGN) -> list[tuple[int, int]]:
@@ -43,6 +45,18 @@ def _merge(ranges: list[tuple[int, int]], gap: int = ALIGN) -> list[tuple[int, i
             out[-1][1] = max(out[-1][1], b)
         else:
             out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _coalesce(ranges: list[tuple[int, int]], max_ranges: int) -> list[tuple[int, int]]:
+    """At most ``max_ranges`` ranges covering ``ranges`` (merged ones): the smallest gaps
+    are filled first. Each range is one GET, whose fixed cost (a round trip, signing and
+    parsing the request) outweighs a few blocks of extra bytes."""
+    out = [list(r) for r in _merge(ranges)]
+    while len(out) > max_ranges:
+        i = min(range(len(out) - 1), key=lambda j: out[j + 1][0] - out[j][1])
+        out[i][1] = out[i + 1][1]
+        del out[i + 1]
     return [(a, b) for a, b in out]
 
 
@@ -137,7 +151,7 @@ class RemoteFiles:
             return
         want = [(int(a), int(a) + int(n)) for a, n in zip(offsets.tolist(), sizes.tolist())]
         with lz.lock:
-            todo = _merge(lz.missing(want))
+            todo = _coalesce(lz.missing(want), MAX_RANGES)
             if not todo:
                 return
             t0 = time.perf_counter()
