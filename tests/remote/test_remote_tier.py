@@ -264,7 +264,10 @@ def test_server_killed_mid_write_never_advertises(own_seaweed, tmp_path):
         assert cache.stats.matched_tokens == 0  # a prompt without its keys is not found
 
 
-def test_a_paused_server_costs_a_timeout_not_the_request(own_seaweed, tmp_path):
+def test_a_paused_server_costs_a_timeout_not_the_request(own_seaweed, tmp_path, monkeypatch):
+    from impress_cache.store.remote import tier
+
+    monkeypatch.setattr(tier, "DOWN_BACKOFF_S", 3600.0)
     server = own_seaweed
     S3Backend(BUCKET, "", server.options).ensure_bucket()
     model, doc = tiny_model(), _doc()
@@ -277,6 +280,9 @@ def test_a_paused_server_costs_a_timeout_not_the_request(own_seaweed, tmp_path):
             cache = assert_same_as_uncached(model, b, doc)
             assert cache.stats.matched_tokens == 0
             assert b.stats()["remote"]["remote_errors"] >= 1
+            # the next request does not ask the failed server again (until the backoff ends)
+            assert_same_as_uncached(model, b, _doc(seed=3))
+            assert b.stats()["remote"]["lookups"] == 1
     finally:
         os.killpg(server.proc.pid, signal.SIGCONT)
 
@@ -309,3 +315,12 @@ def test_remote_settings_are_validated():
                 {"remote_retry_s": -1}, {"remote_key_tokens": 8}):
         with pytest.raises(ConfigError):
             ImpressConfig(**bad)
+
+
+def test_fills_merge_neighbours_then_the_smallest_gaps():
+    from impress_cache.store.remote.lazy import _coalesce, _merge
+
+    assert _merge([(0, 10), (4106, 4200), (9000, 9100)]) == [(0, 4200), (9000, 9100)]  # < 4 KiB apart
+    ranges = [(0, 10), (100, 110), (1000, 1010), (1020, 1030), (5000, 5010)]
+    assert _coalesce(ranges, 3) == [(0, 110), (1000, 1030), (5000, 5010)]
+    assert _coalesce(ranges, 1) == [(0, 5010)]

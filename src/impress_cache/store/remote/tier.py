@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: seconds an object that failed its checks is not imported again by this process
 BAD_COOLDOWN_S = 60.0
+#: seconds lookups are skipped after one failed on an unreachable or slow server
+DOWN_BACKOFF_S = 10.0
 #: bytes asked for first when an object's header is fetched
 HEADER_GUESS = 64 * 1024
 
@@ -93,6 +95,7 @@ class RemoteTier:
         self.files = RemoteFiles(catalog.root, catalog.chunks_fd, self.backend, self._fetched)
         self._warned: set[str] = set()
         self._import_lock = threading.Lock()
+        self._down_until = 0.0  # lookups skipped until then (the server failed a request)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-upload")
         self._pending: list[Future[None]] = []
@@ -134,7 +137,7 @@ class RemoteTier:
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         local = self._catalog.match(tokens, limit).length
         cands = [b for b in boundaries(limit, self._cfg.remote_key_tokens) if b > local]
-        if not cands:
+        if not cands or time.monotonic() < self._down_until:
             return 0
         self.counters.lookups += 1
         try:
@@ -146,6 +149,8 @@ class RemoteTier:
         except BadObject as exc:
             self._warn("object check", exc)
         except RemoteError as exc:
+            if not isinstance(exc, RemoteMissing):
+                self._down_until = time.monotonic() + DOWN_BACKOFF_S
             self._warn("request", exc)
         gained = self._catalog.match(tokens, limit).length - local
         if gained > 0:
