@@ -320,7 +320,8 @@ def test_remote_settings_are_validated():
 def test_fills_merge_neighbours_then_the_smallest_gaps():
     from impress_cache.store.remote.lazy import _coalesce, _merge
 
-    assert _merge([(0, 10), (4106, 4200), (9000, 9100)]) == [(0, 4200), (9000, 9100)]  # < 4 KiB apart
-    ranges = [(0, 10), (100, 110), (1000, 1010), (1020, 1030), (5000, 5010)]
-    assert _coalesce(ranges, 3) == [(0, 110), (1000, 1030), (5000, 5010)]
-    assert _coalesce(ranges, 1) == [(0, 5010)]
+    assert _merge([(0, 10), (4000, 4200), (9000, 9100)]) == [(0, 4200), (9000, 9100)]  # < 4 KiB apart
+    k = 10_000  # gaps well above 4 KiB
+    ranges = [(0, 10), (10 * k, 10 * k + 10), (100 * k, 100 * k + 10), (102 * k, 102 * k + 10), (500 * k, 500 * k + 10)]
+    assert _coalesce(ranges, 3) == [(0, 10 * k + 10), (100 * k, 102 * k + 10), (500 * k, 500 * k + 10)]
+    assert _coalesce(ranges, 1) == [(0, 500 * k + 10)]

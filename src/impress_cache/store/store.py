@@ -55,6 +55,7 @@ from .remote import RemoteTier
 from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
+from .warmup import warm_up
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
@@ -163,13 +164,9 @@ class ImpressStore:
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
-        #: the shared tier (``config.remote``): uploads stored prompts, imports others' prefixes
-        self._remote = (
-            RemoteTier(self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
-            if cfg.remote is not None and model is not None else None
-        )
-        if self._remote is not None:
-            self._io.fill = self._remote.files  # blocks of linked files arrive when read
+        self._remote = None if cfg.remote is None or model is None else RemoteTier(  # the shared tier
+            self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
+        self._io.fill = None if self._remote is None else self._remote.files  # linked files: fetched when read
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
@@ -420,9 +417,8 @@ class ImpressStore:
     def quarantine(self, file_id: int, reason: str) -> None:
         """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
         it; later requests recompute those tokens."""
-        record = self._catalog.records.get(file_id)
-        if self._remote is not None and record is not None:
-            self._remote.quarantined(record.name)
+        if self._remote is not None and file_id in self._catalog.records:
+            self._remote.quarantined(self._catalog.records[file_id].name)
         self._gc.quarantine(file_id, reason)
 
     def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
@@ -486,22 +482,7 @@ class ImpressStore:
         ``bytes_read_disk``.
         """
         self._check_open()
-        summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
-        for prompt in prompts:
-            m = self.match(_as_tokens(prompt, tokenizer))
-            if m.length == 0:
-                continue
-            with self.lease([m]):
-                lay = self.layout(m.segments)
-                for layer in range(self.spec.num_layers):
-                    keys = sorted(set(lay.keys(range(len(lay.units)), KV, layer)))
-                    read = self.read_blocks(keys, [self.tiers.importance_share(k) for k in keys])
-                    summary["blocks"] += len(keys)
-                    summary["bytes_read_disk"] += read.stats.disk_bytes
-            summary["prompts"] += 1
-            summary["matched_tokens"] += m.length
-        log.info("warm-up: %s", summary)
-        return summary
+        return warm_up(self, prompts, tokenizer)
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
@@ -546,12 +527,7 @@ class ImpressStore:
             selected row, over every layer of those requests; ``1 / chunk_tokens`` is
             the least possible).
 
-            Remote tier (``config.remote``; ``None`` without one): ``remote`` holds
-            ``lookups``, ``lookup_hits``, ``tokens_imported``, ``objects_linked``,
-            ``ranges_fetched``, ``bytes_downloaded`` (keys, manifests, headers, block
-            ranges), ``objects_uploaded``, ``bytes_uploaded``, ``prompts_advertised``,
-            ``uploads_dropped``, ``bad_objects``, ``remote_errors``, ``objects_evicted``,
-            ``bytes_evicted``.
+            ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one.
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
@@ -577,17 +553,3 @@ def _model_device(model: torch.nn.Module | None) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
-
-
-def _as_tokens(prompt: Any, tokenizer: Any) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise TypeError("warmup got a string prompt; pass tokenizer=... or token ids")
-        return [int(t) for t in tokenizer(prompt)["input_ids"]]
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 2 and prompt.shape[0] == 1:
-            prompt = prompt[0]
-        if prompt.dim() != 1:
-            raise ValueError(f"warmup takes one prompt per item: 1-D or [1, n] token tensors, got shape {tuple(prompt.shape)}")
-        return [int(t) for t in prompt.tolist()]
-    return [int(t) for t in prompt]

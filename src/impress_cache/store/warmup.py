@@ -1,0 +1,50 @@
+"""`ImpressStore.warmup`: read the stored prefixes of known prompts once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..storage.base import KV
+
+if TYPE_CHECKING:
+    from .store import ImpressStore
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(store: ImpressStore, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
+    """See `ImpressStore.warmup`."""
+    summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
+    for prompt in prompts:
+        m = store.match(_as_tokens(prompt, tokenizer))
+        if m.length == 0:
+            continue
+        with store.lease([m]):
+            lay = store.layout(m.segments)
+            for layer in range(store.spec.num_layers):
+                keys = sorted(set(lay.keys(range(len(lay.units)), KV, layer)))
+                read = store.read_blocks(keys, [store.tiers.importance_share(k) for k in keys])
+                summary["blocks"] += len(keys)
+                summary["bytes_read_disk"] += read.stats.disk_bytes
+        summary["prompts"] += 1
+        summary["matched_tokens"] += m.length
+    log.info("warm-up: %s", summary)
+    return summary
+
+
+def _as_tokens(prompt: Any, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise TypeError("warmup got a string prompt; pass tokenizer=... or token ids")
+        return [int(t) for t in tokenizer(prompt)["input_ids"]]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise ValueError(f"warmup takes one prompt per item: 1-D or [1, n] token tensors, got shape {tuple(prompt.shape)}")
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]
