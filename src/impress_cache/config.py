@@ -11,7 +11,7 @@ from .probe import ENCODINGS
 from .selection.modes import SELECTION_MODES
 from .tiers.policies import POLICIES
 from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
-from .validate import check_choice, check_class_shares, check_int, check_seconds, check_unit, is_number
+from .validate import check_choice, check_class_shares, check_int, check_number, check_seconds, check_unit, is_number
 
 _DECODES = ("full", "keep")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -59,6 +59,26 @@ class ImpressConfig:
     decode:
         ``"full"`` decodes against the whole prefix, ``"keep"`` against the selected
         rows only.
+    refresh_new_tokens:
+        Sparse prefills with ``decode="full"``: once the whole prefix is restored (before
+        the first decode step), compute the new tokens' K/V again against it, so that
+        every later token sees exactly what dense reuse would hold (the prefill computed
+        them against the selected rows only). Costs one forward of the new tokens after
+        the first token; no extra bytes (docs: Sparse loading, "Answers").
+    guard_margin:
+        Uncertainty guard of sparse prefills, in nats: when the gap between the two most
+        likely first tokens of the sparse prefill is below it (any batch row), the whole
+        prefix is read and the new tokens recomputed against it *before* the first token
+        is emitted, which then equals dense reuse. ``decode="full"`` only (``"keep"``
+        reads nothing more). ``0`` disables the guard.
+    keep_sinks, keep_recent:
+        Prefix rows always selected in every layer of a sparse prefill: the first
+        ``keep_sinks`` (attention sinks) and the last ``keep_recent`` (the text just
+        before the question). They count against ``k``.
+    score_pool:
+        Odd width of a max-pool over the probe scores of neighbouring rows before
+        selection (SnapKV's clustering): a row near a high-scoring row ranks with it.
+        ``1`` (no pooling) is the default.
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
@@ -120,6 +140,11 @@ class ImpressConfig:
     similarity_threshold: float | None = None
     selection: str = "block"
     decode: str = "full"
+    refresh_new_tokens: bool = True
+    guard_margin: float = 0.0
+    keep_sinks: int = 0
+    keep_recent: int = 0
+    score_pool: int = 1
     kv_dtype: str = "auto"
     io_threads: int = 8
     device_bytes: int = 256 * 2**20
@@ -150,8 +175,14 @@ class ImpressConfig:
         check_choice("probe_dtype", self.probe_dtype, ENCODINGS)
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
+        check_number("guard_margin", self.guard_margin, 0.0, 100.0)
+        check_int("keep_sinks", self.keep_sinks, 0)
+        check_int("keep_recent", self.keep_recent, 0)
+        check_int("score_pool", self.score_pool, 1, 1025)
+        if self.score_pool % 2 == 0:
+            raise ConfigError(f"score_pool must be odd, got {self.score_pool}")
         check_int("io_threads", self.io_threads, 1, 256)
-        for name in ("fsync", "prefetch"):
+        for name in ("fsync", "prefetch", "refresh_new_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("device_bytes", self.device_bytes, 0)
