@@ -383,6 +383,16 @@ def main(argv: list[str] | None = None) -> int:
                         f"bytes {sum(r['bytes_first_vs_whole'] for r in done) / len(done):.3f}",
                         file=sys.stderr, flush=True,
                     )
+                write(args, argv, variants, rows, t0, partial=True)
+    result = write(args, argv, variants, rows, t0, partial=False)
+    print(markdown(result))
+    print(json.dumps(result["goals"], indent=1))
+    print(f"wrote {args.out} in {result['meta']['seconds']} s", file=sys.stderr)
+    return 0
+
+
+def write(args: Any, argv: list[str] | None, variants: dict[str, Any], rows: list[dict[str, Any]], t0: float, partial: bool) -> dict[str, Any]:
+    """Write the result file (also after every text, marked partial)."""
     summary = summarize(rows)
     result = {
         "meta": {
@@ -395,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, torch threads {torch.get_num_threads()}",
             "disk": "guest-cold chunk files (POSIX_FADV_DONTNEED before every request), memory tiers off",
             "seconds": round(time.perf_counter() - t0, 1),
+            "partial": partial,
         },
         "summary": summary,
         "goals": goals(summary),
@@ -403,10 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
-    print(markdown(result))
-    print(json.dumps(result["goals"], indent=1))
-    print(f"wrote {out} in {result['meta']['seconds']} s", file=sys.stderr)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ from impress_cache import ConfigError, ImpressConfig, ImpressStore
         ({"guard_margin": True}, "guard_margin"),
         ({"keep_sinks": -1}, "keep_sinks"),
         ({"keep_recent": 1.5}, "keep_recent"),
-        ({"score_pool": 4}, "score_pool"),
-        ({"score_pool": 0}, "score_pool"),
     ],
 )
 def test_config_out_of_range(kwargs, field):

@@ -75,10 +75,6 @@ class ImpressConfig:
         Prefix rows always selected in every layer of a sparse prefill: the first
         ``keep_sinks`` (attention sinks) and the last ``keep_recent`` (the text just
         before the question). They count against ``k``.
-    score_pool:
-        Odd width of a max-pool over the probe scores of neighbouring rows before
-        selection (SnapKV's clustering): a row near a high-scoring row ranks with it.
-        ``1`` (no pooling) is the default.
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
@@ -144,7 +140,6 @@ class ImpressConfig:
     guard_margin: float = 0.0
     keep_sinks: int = 0
     keep_recent: int = 0
-    score_pool: int = 1
     kv_dtype: str = "auto"
     io_threads: int = 8
     device_bytes: int = 256 * 2**20
@@ -178,9 +173,6 @@ class ImpressConfig:
         check_number("guard_margin", self.guard_margin, 0.0, 100.0)
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)
-        check_int("score_pool", self.score_pool, 1, 1025)
-        if self.score_pool % 2 == 0:
-            raise ConfigError(f"score_pool must be odd, got {self.score_pool}")
         check_int("io_threads", self.io_threads, 1, 256)
         for name in ("fsync", "prefetch", "refresh_new_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -179,7 +179,6 @@ class SparsePrefill:
             fixed_threshold=cfg.similarity_threshold,
             seed=layer_idx,
             keep=(cfg.keep_sinks, cfg.keep_recent),
-            pool=cfg.score_pool,
         )
 
     def _read_units(

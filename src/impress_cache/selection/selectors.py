@@ -119,7 +119,6 @@ def select_row(
     fixed_threshold: float | None = None,
     seed: int = 0,
     keep: tuple[int, int] = (0, 0),
-    pool: int = 1,
 ) -> RowSelection:
     """Select and load ``k`` prefix rows of one layer for one batch row.
 
@@ -152,8 +151,6 @@ def select_row(
     keep:
         ``(sinks, recent)``: the first ``sinks`` and last ``recent`` rows are always
         selected (they rank above every scored row; they count against ``k``).
-    pool:
-        Odd width of a max-pool over each head's row scores before selection (``1``: none).
     """
     if mode in BASELINES:
         from .baselines import select_baseline
@@ -170,9 +167,6 @@ def select_row(
     nk = new_keys[list(probe_kv_heads)]
     per_q = attention_column_scores(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
     scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
-    if pool > 1:
-        # a row counts as much as its best neighbour: keeps the context of a hit (SnapKV)
-        scores = torch.nn.functional.max_pool1d(scores.unsqueeze(0), pool, 1, pool // 2).squeeze(0)[:, :p]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
     similarity = float(mean_pairwise_jaccard(topk_indices(scores.unsqueeze(0), k))[0])
     combined = normalised_sum(scores)
