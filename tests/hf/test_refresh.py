@@ -12,7 +12,7 @@ from helpers import left_pad, run, store_dense
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 
 DENSE = dict(chunk_tokens=16, important_ratio=1.0)
-SPARSE = dict(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full")
+SPARSE = dict(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full", guard_margin=0.0)
 
 
 def _tok(seed, n):
@@ -68,19 +68,19 @@ def test_guard_completes_the_prefix_before_the_first_token(tmp_path):
     model = tiny_model("qwen3", "sdpa")
     ids, mask = _prompts(tmp_path, model, True)
     _, dseq, dlogits = _generate(tmp_path, model, ids, mask, **DENSE)
-    cache, seq, logits = _generate(tmp_path, model, ids, mask, **SPARSE, guard_margin=100.0)
+    cache, seq, logits = _generate(tmp_path, model, ids, mask, **{**SPARSE, "guard_margin": 100.0})
     s = cache.stats
     assert s.guard_triggered == 1 and s.first_token_margin is not None and s.first_token_margin < 100.0
     assert s.bytes_read_guard > 0 and s.bytes_read_decode == 0
     assert torch.equal(seq, dseq)
     assert (logits - dlogits).abs().max() < 1e-4  # the first token's logits too
     # a margin the sparse prefill clears: no completion before the first token
-    quiet, _, _ = _generate(tmp_path, model, ids, mask, **SPARSE, guard_margin=1e-9)
+    quiet, _, _ = _generate(tmp_path, model, ids, mask, **{**SPARSE, "guard_margin": 1e-9})
     assert quiet.stats.guard_triggered == 0 and quiet.stats.bytes_read_guard == 0
     assert quiet.stats.bytes_read_decode > 0
     off, _, _ = _generate(tmp_path, model, ids, mask, **SPARSE)
     assert off.stats.guard_triggered == 0 and off.stats.first_token_margin == quiet.stats.first_token_margin
-    keep, _, _ = _generate(tmp_path, model, ids, mask, **{**SPARSE, "decode": "keep"}, guard_margin=100.0)
+    keep, _, _ = _generate(tmp_path, model, ids, mask, **{**SPARSE, "decode": "keep", "guard_margin": 100.0})
     assert keep.stats.guard_triggered == 0 and keep.stats.bytes_read_guard == 0  # the guard needs decode="full"
 
 
