@@ -301,6 +301,20 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(results: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """One result from runs over different lengths (or variants); written to ``out``."""
+    rows = [r for res in results for r in res["rows"]]
+    names = list(dict.fromkeys(n for res in results for n in res["meta"]["variants"]))
+    meta = {**results[0]["meta"], "variants": names, "command": [res["meta"]["command"] for res in results],
+            "seconds": sum(res["meta"]["seconds"] for res in results),
+            "partial": any(res["meta"].get("partial") for res in results)}
+    summary = summarize(rows)
+    merged = {"meta": meta, "summary": summary, "goals": goals(summary), "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2, default=str))
+    return merged
+
+
 def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
     """Names from `VARIANTS`, or ``name:key=value,key=value`` for an ad-hoc one."""
     out = {}
@@ -329,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="1k and 2k, 4 questions per text, variants full and keep")
     p.add_argument("--prepare", action="store_true", help="only store the prefixes and compute the dense answers")
-    p.add_argument("--report", metavar="JSON", help="print the Markdown table of an earlier run and exit")
+    p.add_argument("--report", metavar="JSON", nargs="+",
+                   help="print the Markdown table of earlier runs and exit; several runs (e.g. one per length) are merged into --out")
     args = p.parse_args(argv)
     if args.report:
-        print(markdown(json.loads(Path(args.report).read_text())))
+        results = [json.loads(Path(f).read_text()) for f in args.report]
+        result = results[0] if len(results) == 1 else merge(results, Path(args.out))
+        print(markdown(result))
+        print(json.dumps(result["goals"], indent=1))
         return 0
     if args.quick:
         args.lengths, args.questions, args.variants = [1024, 2048], 4, ["full", "keep"]
