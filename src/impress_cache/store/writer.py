@@ -229,7 +229,10 @@ class PromptWriter:
             "impress_cache": FILE_FORMAT,
             "uuid": file_uuid.hex,
             "model": json.dumps(spec.to_dict(), sort_keys=True),
-            "probe": json.dumps({"kv_heads": list(self._probe.kv_heads), "encoding": self._probe.encoding}),
+            "probe": json.dumps({
+                "query_heads": list(self._probe.query_heads), "kv_heads": list(self._probe.kv_heads),
+                "encoding": self._probe.encoding,
+            }),
             "first_pos": str(m),
             "n_tokens": str(n),
             "chunk_tokens": str(ct),
