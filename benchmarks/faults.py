@@ -203,6 +203,7 @@ def file_id_reuse(path: Path, user: Path, rng: random.Random) -> bool:
 
 def failed_commit(path: Path, user: Path, rng: random.Random) -> bool:
     a, b, c = (tokens(rng.randrange(10**6), 64) for _ in range(3))
+    a[0], b[0], c[0] = 3, 4, 5  # no common prefix: b's match must be empty
     with ImpressStore(path, MODEL, CFG) as store:
         store.put(a.tolist(), *synthetic_kv(store, a))
         conn = sqlite3.connect(path / "index.sqlite")

@@ -118,6 +118,17 @@ def test_a_folder_with_foreign_files_is_refused(tmp_path):
     assert (tmp_path / CHUNK_DIR / "notes.txt").read_text() == "mine"
 
 
+def test_a_file_named_like_ours_without_our_header_is_moved_aside_not_deleted(tmp_path):
+    model = tiny_model("llama")
+    with ImpressStore(tmp_path, model, CFG) as store:
+        _exact(model, store, _doc(0))
+    name = "ab" * 16 + ".safetensors"
+    (tmp_path / CHUNK_DIR / name).write_text("the user's data")
+    with ImpressStore(tmp_path, model, CFG) as store:
+        assert _exact(model, store, _doc(0)).stats.matched_tokens == 63
+    assert (tmp_path / QUARANTINE_DIR / name).read_text() == "the user's data"
+
+
 def test_a_linked_quarantine_is_not_written_through(tmp_path):
     model = tiny_model("llama")
     with ImpressStore(tmp_path / "s", model, CFG) as store:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..errors import ImpressError, StoreFormatError
 from ..index.radix import RadixNode
 from ..index.sqlite import FileRecord
+from ..storage import FORMATS
 from .catalog import FILE_NAME, Catalog
 from .directory import dir_mode, ensure_dir
 from .leases import LeaseTable
@@ -149,8 +150,21 @@ class StoreGC:
                 "a store there. Move them away or choose another store directory."
             )
         for name in orphans:
-            log.info("removing unindexed file %s (left by an interrupted write)", name)
-            catalog.unlink(name)
+            if name.endswith(".tmp") or self._has_own_header(name):
+                log.info("removing unindexed file %s (left by an interrupted write)", name)
+                catalog.unlink(name)
+            else:  # named like ours but without our header: never deleted, moved aside
+                log.warning("unindexed file %s has no impress_cache header; moving it to %s/", name, QUARANTINE_DIR)
+                self._move_aside(name)
+
+    def _has_own_header(self, name: str) -> bool:
+        """Whether a chunk file's header says this store wrote it (its UUID is its name)."""
+        fmt = next((cls for cls in FORMATS.values() if name.endswith("." + cls.suffix)), None)
+        try:
+            meta = fmt().read_metadata(self._catalog.chunks / name) if fmt is not None else {}
+        except Exception:  # noqa: BLE001 - any unreadable header: not provably ours
+            return False
+        return "impress_cache" in meta and meta.get("uuid") == name[:32]
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:
