@@ -177,6 +177,10 @@ def test_a_cache_used_with_another_model_is_refused(tmp_path):
         with pytest.raises(CacheUsageError, match="another model"):
             with torch.no_grad():
                 b(doc, **{"past_key_values": ImpressCache(sa)})
+    c = tiny_model("llama", seed=2)  # no ImpressCache was ever built for it: no hooks
+    with ImpressStore(tmp_path / "a", a, CFG) as sa:
+        with pytest.raises(CacheUsageError, match="another model"):
+            run(c, doc, cache=ImpressCache(sa, doc))
 
 
 # -- hypothesis: damage anywhere, exact or a clear error ------------------------------------------
