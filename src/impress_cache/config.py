@@ -115,6 +115,17 @@ class ImpressConfig:
         index on `flush`, on `close` and, while requests run, at most every
         ``stats_interval_s`` seconds (in the background). ``None``: only on flush and
         close.
+    reorg_idle_ms:
+        Importance reordering: a background thread rewrites nodes whose statistics call
+        for a new row order once the store has been idle this long, and waits for this
+        much idleness again before every block it writes. ``None``: no background
+        rewrites (`ImpressStore.reorganize` and ``impress-cache reorg`` still work).
+    reorg_min_requests:
+        Sparse requests a node must gather since its order was last decided before the
+        reorganiser looks at it again.
+    reorg_min_gain:
+        A node is rewritten when its top ``important_ratio`` rows would need at least
+        this share fewer blocks afterwards (docs: Importance reordering).
     """
 
     chunk_tokens: int = 16

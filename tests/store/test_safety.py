@@ -8,7 +8,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import resource
 import shutil
 import signal
 import stat
@@ -249,7 +248,7 @@ def test_a_full_disk_never_fails_generation(tmp_path, caplog):
         assert sum("not stored" in r.getMessage() for r in caplog.records) == 1  # warned once
         assert not [p for p in (mnt / "s" / CHUNK_DIR).iterdir() if p.name.endswith(".tmp")]
         filler.unlink()  # space again: the same store stores again
-        cache = _exact(model, store, _doc(11, 100))
+        _exact(model, store, _doc(11, 100))
         store.flush()
         assert store.match(_doc(11, 100)[0].tolist()).length == 100
         assert _exact(model, store, _doc(4)).stats.matched_tokens == 63

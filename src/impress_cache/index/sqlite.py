@@ -448,16 +448,7 @@ class Index:
             )
             for k, r in records.items()
         ]
-        if not rows:
-            return 0
-        with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR REPLACE INTO block_stats(file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at) "
-                "SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM files WHERE id=?)",
-                rows,
-            )
-            return conn.total_changes - before
+        return self._upsert_if_owned("block_stats", "file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at", "files", rows)
 
     def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
         """Every saved block statistic whose file is still in the index (``count``,
@@ -486,13 +477,19 @@ class Index:
             )
             for k, r in records.items()
         ]
+        return self._upsert_if_owned("node_stats", "node_id, count, freq, share, age_s, seq, saved_at", "nodes", rows)
+
+    def _upsert_if_owned(self, table: str, columns: str, owner: str, rows: list[tuple]) -> int:
+        """``INSERT OR REPLACE`` ``rows`` into ``table`` (the values of ``columns``, then
+        the id of the row of ``owner`` they belong to, which must exist: rows of removed
+        files or nodes are skipped); returns the number of rows written."""
         if not rows:
             return 0
+        marks = ",".join("?" * len(columns.split(",")))
         with self.transaction() as conn:
             before = conn.total_changes
             conn.executemany(
-                "INSERT OR REPLACE INTO node_stats(node_id, count, freq, share, age_s, seq, saved_at) "
-                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
+                f"INSERT OR REPLACE INTO {table}({columns}) SELECT {marks} WHERE EXISTS (SELECT 1 FROM {owner} WHERE id=?)",
                 rows,
             )
             return conn.total_changes - before
@@ -507,16 +504,7 @@ class Index:
             )
             for k, (a, req, pend) in records.items()
         ]
-        if not rows:
-            return 0
-        with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR REPLACE INTO node_importance(node_id, layers, length, scores, requests, pending, saved_at) "
-                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
-                rows,
-            )
-            return conn.total_changes - before
+        return self._upsert_if_owned("node_importance", "node_id, layers, length, scores, requests, pending, saved_at", "nodes", rows)
 
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
         """Saved per-node importance: ``node -> (scores float32, requests, pending, saved_at)``."""
