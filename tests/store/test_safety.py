@@ -66,6 +66,7 @@ def test_directories_0700_and_files_0600_whatever_the_umask(tmp_path):
     try:
         with ImpressStore(tmp_path / "s", model, CFG) as store:
             _exact(model, store, _doc(0))
+            store.flush()
             store.quarantine(store.index.files()[0].id, "test")  # creates quarantine/
     finally:
         os.umask(old)
