@@ -127,6 +127,7 @@ class BlockIO:
         reader: BlockReader,
         on_access: Callable[[Iterable[BlockKey]], None],
         pin_host: bool = False,
+        fill: Any = None,
     ) -> None:
         self._catalog = catalog
         self._tiers = tiers
@@ -140,7 +141,7 @@ class BlockIO:
         #: ``fill(file_id, name, offsets, sizes)`` makes blocks of a file present before they
         #: are read, for files where ``fill.linked(name)`` (the remote tier's linked files,
         #: `RemoteFiles`); ``None``: every file is whole
-        self.fill: Any = None
+        self.fill = fill
 
     def reset(self) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import ImpressConfig
-from ..errors import ConfigError, StoreFormatError
+from ..errors import ConfigError, ImpressError, StoreFormatError
 from ..index.radix import Match, RadixTree, Segment, as_tokens
 from ..index.sqlite import Index
 from ..storage import FORMATS
@@ -46,21 +46,25 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
+from .directory import prepare
 from .gc import StoreGC
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
-from .remote import RemoteTier
+from .remote import NoRemote, RemoteTier
 from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
-from .warmup import warm_up
+from .warmup import warmup
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.sqlite"
+#: what `put_async` returns in a read-only store (nothing to wait for)
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 _MAX_INDEX_REPAIRS = 8
 
 
@@ -97,6 +101,11 @@ class ImpressStore:
         memory tiers' policy (recency, score decay, statistics' ages) and the grace
         period of matches. ``time.monotonic`` by default; simulations and tests inject
         their own.
+    read_only:
+        Serve from a store on a read-only volume or directory: nothing is written (new
+        prompts are not stored, block statistics stay in memory, a damaged file is only
+        forgotten by this process). Opening a store the process cannot write without
+        it raises `ReadOnlyStoreError` saying so.
 
     Notes
     -----
@@ -115,6 +124,7 @@ class ImpressStore:
         storage_format: str = "safetensors",
         *,
         clock: Callable[[], float] | None = None,
+        read_only: bool = False,
     ) -> None:
         self.config = config if config is not None else ImpressConfig()
         if not isinstance(self.config, ImpressConfig):
@@ -124,9 +134,10 @@ class ImpressStore:
         self.path = Path(path)
         self.model = model
         self.clock = clock if clock is not None else time.monotonic
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / CHUNK_DIR).mkdir(exist_ok=True)
-        index = Index(self.path / INDEX_NAME)
+        #: serve only: nothing is written (no prompts, statistics, quarantine or eviction on disk)
+        self.read_only = bool(read_only)
+        prepare(self.path, CHUNK_DIR, INDEX_NAME, self.config.file_mode, self.read_only)
+        index = Index(self.path / INDEX_NAME, read_only=self.read_only, file_mode=self.config.file_mode)
         try:
             self.spec, self.probe = (
                 recorded(index, self.path) if model is None else bind(index, model, self.config, self.path)
@@ -153,27 +164,27 @@ class ImpressStore:
             self.activity,
         )
         self._stats = StatsKeeper(
-            index, self.tiers, self._values, cfg.stats_interval_s, self._writer.background, self._importance
+            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background, self._importance
         )
+        self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
+            self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
-            pin_host=torch.cuda.is_available(),
+            pin_host=torch.cuda.is_available(), fill=self._remote.files,  # linked files: fetched when read
         )
-        self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock)
+        self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock, cfg.file_mode)
         self._reorder = Reordering(
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
-        self._remote = None if cfg.remote is None or model is None else RemoteTier(  # the shared tier
-            self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
-        self._io.fill = None if self._remote is None else self._remote.files  # linked files: fetched when read
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
-        self._gc.remove_orphans()
+        if not self.read_only:
+            self._gc.remove_orphans()
         loaded = self._stats.load()
-        if cfg.reorg_idle_ms is not None and model is not None:
+        if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
         log.info(
             "opened store %s: %d nodes, %d files, statistics of %d blocks",
@@ -223,31 +234,33 @@ class ImpressStore:
         self.close()
 
     def close(self) -> None:
-        """Finish pending writes, save block statistics and release files. Safe to call twice."""
+        """Finish pending writes, save block statistics and release files; every step
+        runs even when one fails. Safe to call twice."""
         if self._closed:
             return
-        try:
-            self._reorder.reorganizer.stop()
-            self.flush()
-        finally:
-            self._writer.close()
-            if self._remote is not None:
-                self._remote.close()
-            self.fetcher.shutdown(wait=True)
-            self.loader.shutdown(wait=True)
-            self.save_block_stats()
-            self._stats.closed = True
-            self._reader.close()
-            self._catalog.close()
-            self.index.close()
-            self._closed = True
+        self._closed = True
+        steps = (
+            self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._remote.close,
+            lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
+            self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
+        )
+        failure: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # release the rest, then report the first failure
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _stats_closed(self) -> None:
+        self._stats.closed = True
 
     def flush(self) -> None:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
         save the statistics of the blocks read since the last save."""
         self._writer.flush()
-        if self._remote is not None:
-            self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
+        self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
         self.save_block_stats()
 
     def _check_open(self) -> None:
@@ -264,8 +277,7 @@ class ImpressStore:
         self._check_open()
         self.activity.touch()
         arr = as_tokens(tokens)
-        if self._remote is not None:
-            self._remote.pull(arr, limit)  # a prefix another host stored becomes local first
+        self._remote.pull(arr, limit)  # a prefix another host stored becomes local first
         for _ in range(_MAX_INDEX_REPAIRS):
             with self._catalog.lock:
                 m = self._catalog.match(arr, limit)
@@ -381,6 +393,8 @@ class ImpressStore:
         tokens not already stored are written.
         """
         self._check_open()
+        if self.read_only:
+            return _DONE
         return self._writer.submit(tokens, keys, values)
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -400,8 +414,7 @@ class ImpressStore:
                 self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
-        if push and leaf is not None and self._remote is not None:
-            self._remote.push(leaf)
+        self._remote.push(leaf if push else None)  # upload what this host wrote
 
     def _split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
         """A node was split after ``k`` rows: both halves inherit its statistics."""
@@ -417,8 +430,7 @@ class ImpressStore:
     def quarantine(self, file_id: int, reason: str) -> None:
         """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
         it; later requests recompute those tokens."""
-        if self._remote is not None and file_id in self._catalog.records:
-            self._remote.quarantined(self._catalog.records[file_id].name)
+        self._remote.quarantined(self._catalog.records.get(file_id))
         self._gc.quarantine(file_id, reason)
 
     def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
@@ -430,7 +442,7 @@ class ImpressStore:
         `StoreGC.enforce`.
         """
         self._check_open()
-        return self._gc.enforce(self.config.disk_bytes, protect)
+        return self._gc.enforce(None if self.read_only else self.config.disk_bytes, protect)
 
     def record_importance(
         self, segments: Sequence[Segment], importance: Any, blocks_touched: int = 0, rows_selected: int = 0
@@ -453,36 +465,28 @@ class ImpressStore:
         process or thread was rewriting the store: nothing done)."""
         self._check_open()
         self._writer.flush()
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(desc="reordering", unit="node")
-        try:
-            return self._reorder.reorganizer.run(force, limit, None if bar is None else bar.update)
-        finally:
-            if bar is not None:
-                bar.close()
+        return self._reorder.run(force, limit, progress)
 
     def save_block_stats(self) -> int:
         """Write the statistics of the blocks accessed since the last save to the index
         (runs on `flush`, on `close` and every ``config.stats_interval_s`` seconds).
-        Returns the number of block records written."""
+        Returns the number of block records written. A read-only store keeps them in
+        memory; a failure (disk full) is logged and the statistics are kept for later."""
+        if self.read_only:
+            return 0
         with self._catalog.lock:
-            return self._stats.save()
+            try:
+                return self._stats.save()
+            except (OSError, ImpressError) as exc:
+                log.warning("saving block statistics to %s failed: %s", self.path, exc)
+                return 0
 
     def warmup(self, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
-        """Pre-populate block statistics and the memory tiers from known prompts.
-
-        Each prompt (token ids: list, tuple, 1-D or ``[1, n]`` tensor; or a string with
-        ``tokenizer``) is matched and every K/V block of its stored prefix is read once
-        through `read_blocks` with the block's current average importance share, so the
-        blocks enter the memory tiers within their budgets and the policy has statistics
-        for them. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
-        ``bytes_read_disk``.
-        """
+        """Pre-populate block statistics and the memory tiers from known prompts; see
+        `warmup.warmup`. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
+        ``bytes_read_disk``."""
         self._check_open()
-        return warm_up(self, prompts, tokenizer)
+        return warmup(self, prompts, tokenizer)
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
@@ -534,7 +538,7 @@ class ImpressStore:
             len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats())
-        out["remote"] = None if self._remote is None else self._remote.stats()
+        out["remote"] = self._remote.stats()
         return out
 
     def reset_stats(self) -> None:

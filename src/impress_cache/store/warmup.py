@@ -1,23 +1,26 @@
-"""`ImpressStore.warmup`: read the stored prefixes of known prompts once."""
+"""Warming a store up: reading the stored prefixes of known prompts once, so their blocks
+enter the memory tiers and the policy has statistics for them."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..storage.base import KV
 
-if TYPE_CHECKING:
-    from .store import ImpressStore
-
 log = logging.getLogger(__name__)
 
 
-def warm_up(store: ImpressStore, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
-    """See `ImpressStore.warmup`."""
+def warmup(store: Any, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
+    """Each prompt (token ids: list, tuple, 1-D or ``[1, n]`` tensor; or a string with
+    ``tokenizer``) is matched and every K/V block of its stored prefix is read once
+    through `ImpressStore.read_blocks` with the block's current average importance share,
+    so the blocks enter the memory tiers within their budgets and the policy has
+    statistics for them. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks``
+    and ``bytes_read_disk``."""
     summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
     for prompt in prompts:
         m = store.match(_as_tokens(prompt, tokenizer))

@@ -29,6 +29,7 @@ import numpy as np
 from ...errors import CorruptBlockError
 from ...storage.base import ALIGN
 from ...storage.remote import RemoteBackend, RemoteError
+from ..directory import dir_mode, ensure_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,13 @@ class _Lazy:
 class RemoteFiles:
     """The lazily filled chunk files of one store directory."""
 
-    def __init__(self, root: Path, chunks_fd: int, backend: RemoteBackend, on_fetch: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, root: Path, chunks_fd: int, backend: RemoteBackend, on_fetch: Callable[[int, int], None],
+        file_mode: int = 0o600,
+    ) -> None:
         self.dir = root / REMOTE_DIR
-        self.dir.mkdir(exist_ok=True)
+        self._mode = file_mode
+        ensure_dir(self.dir, dir_mode(file_mode), "the remote tier's folder")
         self._chunks_fd = chunks_fd
         self._backend = backend
         self._on_fetch = on_fetch  # (ranges, bytes) fetched
@@ -115,8 +120,9 @@ class RemoteFiles:
         """Write a new local file of ``size`` bytes holding ``header``; the rest are holes.
         The caller renames nothing: the file is created under its final name, and is
         an orphan (removed on open) until the index commits it."""
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self._chunks_fd)
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode, dir_fd=self._chunks_fd)
         try:
+            os.fchmod(fd, self._mode)
             view = memoryview(header)
             while view:
                 view = view[os.write(fd, view) :]
@@ -139,7 +145,10 @@ class RemoteFiles:
             side.unlink(missing_ok=True)
             return
         tmp = side.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"object": lz.object, "size": lz.size, "data_start": lz.data_start, "present": lz.present}))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, self._mode)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, self._mode)
+            f.write(json.dumps({"object": lz.object, "size": lz.size, "data_start": lz.data_start, "present": lz.present}))
         os.replace(tmp, side)
 
     def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from ...config import ImpressConfig
 from ...index.radix import RadixNode
+from ...index.sqlite import FileRecord
 from ...model_info import ModelSpec
 from ...storage.remote import RemoteError, RemoteMissing, RemoteShort, open_remote
 from ..binding import ProbeSpec
@@ -92,7 +93,7 @@ class RemoteTier:
         self.counters = RemoteCounters()
         self._known: set[str] = set()  # objects known to be on the remote
         self._bad: dict[str, float] = {}  # objects that failed: not used again for BAD_COOLDOWN_S
-        self.files = RemoteFiles(catalog.root, catalog.chunks_fd, self.backend, self._fetched)
+        self.files = RemoteFiles(catalog.root, catalog.chunks_fd, self.backend, self._fetched, config.file_mode)
         self._warned: set[str] = set()
         self._import_lock = threading.Lock()
         self._down_until = 0.0  # lookups skipped until then (the server failed a request)
@@ -106,9 +107,12 @@ class RemoteTier:
         self.counters.ranges_fetched += ranges
         self.counters.bytes_downloaded += nbytes
 
-    def quarantined(self, local: str) -> None:
+    def quarantined(self, record: FileRecord | None) -> None:
         """A local file failed (a damaged block, a fetch that failed): the object it came
         from is not imported again for a while."""
+        if record is None:
+            return
+        local = record.name
         obj = self.files.object_of(local)
         if obj is not None:
             self._bad[obj] = time.monotonic()
@@ -246,9 +250,11 @@ class RemoteTier:
             self._warn("recency marker", exc)
 
     # -- uploads -----------------------------------------------------------------------
-    def push(self, leaf: RadixNode) -> None:
+    def push(self, leaf: RadixNode | None) -> None:
         """Upload the stored prompt ending at ``leaf`` in the background (called after the
-        local commit, on the writer thread)."""
+        local commit, on the writer thread; ``None``: nothing to upload)."""
+        if leaf is None:
+            return
         with self._catalog.lock:
             path: list[RadixNode] = []
             node: RadixNode | None = leaf

@@ -89,6 +89,19 @@ class Reordering:
             self.importance.add(segments, importance)
             self.reorganizer.wake()
 
+    def run(self, force: bool, limit: int | None, progress: bool) -> dict[str, Any]:
+        """`ImpressStore.reorganize`: the reorganiser's run now, with a progress bar."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc="reordering", unit="node")
+        try:
+            return self.reorganizer.run(force, limit, None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
+
     def stats(self) -> dict[str, Any]:
         c = self.reorganizer.counters
         return {
