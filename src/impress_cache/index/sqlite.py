@@ -14,6 +14,7 @@ is a run of a file's rows (its tokens are that file's tokens, not a copy).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -30,6 +31,10 @@ from ..storage.base import BlockKey
 from .radix import RadixTree
 
 SCHEMA_VERSION = "3"
+#: bytes the WAL keeps after a checkpoint that emptied it (``PRAGMA journal_size_limit``)
+WAL_LIMIT = 1 << 20
+#: files SQLite keeps next to the index
+_SIDE_FILES = ("-wal", "-shm")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -112,7 +117,8 @@ class FileRecord:
     layers: int
     #: bytes of the blocks (K/V and probe pieces)
     nbytes: int
-    #: size of the file on disk (header and padding included)
+    #: bytes the file takes on disk (header, padding and the file system's block
+    #: rounding included: the larger of its size and its allocated blocks)
     file_bytes: int
     #: token ids of the file's rows (``int32 [n_tokens]``)
     tokens: np.ndarray
@@ -161,6 +167,8 @@ class Index:
             with self._lock:
                 self._conn.execute("PRAGMA journal_mode=WAL")
                 self._conn.execute("PRAGMA synchronous=FULL")
+                # a checkpoint that empties the WAL also shrinks it to this size
+                self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                 with self.transaction() as conn:
                     version = conn.execute(
                         "SELECT value FROM meta WHERE key='schema_version'"
@@ -287,6 +295,35 @@ class Index:
     def unreferenced_files(self, conn: sqlite3.Connection) -> list[int]:
         rows = conn.execute("SELECT id FROM files WHERE id NOT IN (SELECT DISTINCT file_id FROM nodes)").fetchall()
         return [r[0] for r in rows]
+
+    def file_referenced(self, conn: sqlite3.Connection, file_id: int) -> bool:
+        """Whether any node still points at ``file_id`` (an indexed lookup)."""
+        return conn.execute("SELECT 1 FROM nodes WHERE file_id=? LIMIT 1", (file_id,)).fetchone() is not None
+
+    def footprint(self) -> int:
+        """Bytes the index takes on disk: the database, its WAL and shared-memory file
+        (allocated blocks, as ``du`` counts them)."""
+        total = 0
+        for suffix in ("", *_SIDE_FILES):
+            try:
+                st = os.stat(f"{self.path}{suffix}")
+            except FileNotFoundError:
+                continue
+            total += max(st.st_size, st.st_blocks * 512)
+        return total
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(f"{self.path}-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    def checkpoint(self) -> bool:
+        """Copy the WAL into the database and truncate it (``wal_checkpoint(TRUNCATE)``);
+        False when a reader in another process kept it from finishing."""
+        with self._lock:
+            busy = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        return not busy
 
     def total_bytes(self) -> int:
         """Bytes of the chunk files the index references, as they are on disk."""

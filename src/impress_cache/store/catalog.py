@@ -60,6 +60,7 @@ class Catalog:
         row_bytes: tuple[int, int],
         on_forget: Callable[[set[int]], None],
         on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
+        on_leaves: Callable[[Iterable[int], bool], None] = lambda ids, reset: None,
     ) -> None:
         self.root = root
         self.chunks = root / CHUNK_DIR
@@ -68,11 +69,34 @@ class Catalog:
         self._row_bytes = row_bytes
         self._on_forget = on_forget
         self._on_split = on_split
+        #: told the ids of nodes that may have become leaves (``reset``: the tree was
+        #: reloaded and these are all its leaves)
+        self._on_leaves = on_leaves
         self._open: dict[int, OpenFile] = {}
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.tree: RadixTree
-        self.records: dict[int, FileRecord]
-        self.tree, self.records = index.load_tree()
+        self.records: dict[int, FileRecord] = {}
+        #: bytes the indexed chunk files take on disk (sum of their records' ``file_bytes``)
+        self.chunk_bytes = 0
+        self._load()
+
+    def _load(self) -> None:
+        self.tree, records = self.index.load_tree()
+        self.records = records
+        self.chunk_bytes = sum(r.file_bytes for r in records.values())
+        self._on_leaves([n.id for n in self.tree.nodes() if not n.children], True)
+
+    def _add_record(self, record: FileRecord) -> None:
+        old = self.records.get(record.id)
+        if old is not None:
+            self.chunk_bytes -= old.file_bytes
+        self.records[record.id] = record
+        self.chunk_bytes += record.file_bytes
+
+    def _drop_record(self, file_id: int) -> None:
+        old = self.records.pop(file_id, None)
+        if old is not None:
+            self.chunk_bytes -= old.file_bytes
 
     def close(self) -> None:
         with self.lock:
@@ -118,7 +142,7 @@ class Catalog:
     def reload_tree(self) -> None:
         """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
-            self.tree, self.records = self.index.load_tree()
+            self._load()
             self.forget(set(self._open) - set(self.records))
 
     def commit_prompt(
@@ -167,7 +191,7 @@ class Catalog:
                 record = self.index.file(file_id) if new_file is not None else None
             # committed: now the tree follows
             if record is not None:
-                self.records[file_id] = record
+                self._add_record(record)
             parent = plan.parent
             if plan.split is not None:
                 old, k = plan.split
@@ -194,6 +218,16 @@ class Catalog:
         replaced meanwhile, by this or another process); the caller then deletes the
         new file."""
         with self.lock:
+            try:
+                return self._replace_node(node, new_file)
+            except BaseException:
+                self.reload_tree()
+                raise
+
+    def _replace_node(
+        self, node: RadixNode, new_file: NewFile
+    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
+        with self.lock:
             with self.index.transaction() as conn:
                 self.refresh()  # under the write lock: nobody commits between this and ours
                 current = self.tree.get(node.id)
@@ -210,9 +244,7 @@ class Catalog:
                 dropped = self.drop_unreferenced_files(conn)
                 record = self.index.file(file_id)
             assert record is not None
-            self.records[file_id] = record
-            for rec in dropped:
-                self.records.pop(rec.id, None)
+            self._add_record(record)
             new = self.tree.replace(node, new_id, file_id, 0)
             return file_id, new, dropped
 
@@ -222,6 +254,9 @@ class Catalog:
         Callers reload the tree if the transaction then fails."""
         self.index.delete_node(conn, node.id)  # type: ignore[arg-type]
         self.tree.remove(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None and not parent.children:
+            self._on_leaves((parent.id,), False)
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
@@ -301,9 +336,23 @@ class Catalog:
         for fid in self.index.unreferenced_files(conn):  # type: ignore[arg-type]
             rec = self.records.get(fid) or self.index.file(fid)
             self.index.delete_file(conn, fid)  # type: ignore[arg-type]
+            self._drop_record(fid)
             if rec is not None:
                 dropped.append(rec)
         return dropped
+
+    def drop_file_if_unreferenced(self, conn: object, file_id: int) -> FileRecord | None:
+        """`drop_unreferenced_files` for one file (an indexed lookup, not a scan)."""
+        if self.index.file_referenced(conn, file_id):  # type: ignore[arg-type]
+            return None
+        rec = self.records.get(file_id) or self.index.file(file_id)
+        self.index.delete_file(conn, file_id)  # type: ignore[arg-type]
+        self._drop_record(file_id)
+        return rec
+
+    def disk_bytes(self) -> int:
+        """What the store puts on disk: its chunk files and its index (with WAL)."""
+        return self.chunk_bytes + self.index.footprint()
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""

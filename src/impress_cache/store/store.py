@@ -134,7 +134,9 @@ class ImpressStore:
             row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
             self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
             self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
-            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split)
+            self._catalog = Catalog(
+                self.path, index, row_bytes, self._forget_files, self._split, self._leaves_changed
+            )
         except BaseException:
             index.close()
             raise
@@ -172,7 +174,7 @@ class ImpressStore:
             self._reorder.reorganizer.start()
         log.info(
             "opened store %s: %d nodes, %d files, statistics of %d blocks",
-            self.path, len(self.tree), len(index.files()), loaded,
+            self.path, len(self.tree), len(self._catalog.records), loaded,
         )
 
     def _policy_kwargs(self) -> dict[str, Any]:
@@ -395,6 +397,13 @@ class ImpressStore:
         self._values.inherit(old_id, new_ids)
         self._importance.split(old_id, new_ids, k)
 
+    def _leaves_changed(self, node_ids: Iterable[int], reset: bool) -> None:
+        """Nodes that may have become leaves enter the disk budget's eviction heap."""
+        if reset:
+            self._values.reset_order(node_ids)
+        else:
+            self._values.push(node_ids)
+
     def _forget_files(self, file_ids: set[int]) -> None:
         """Drop everything the memory tiers know about blocks of deleted files."""
         self.tiers.drop_where(lambda key: key[0] in file_ids)
@@ -486,8 +495,9 @@ class ImpressStore:
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
-        """Bytes of the blocks (K/V and probe copies) in chunk files the index references."""
-        return self.index.total_bytes()
+        """Bytes the store takes on disk, as the disk budget counts them: the chunk files
+        the index references (as the blocks they take) and the index with its WAL."""
+        return self._catalog.disk_bytes()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this store since it was opened (or since `reset_stats`).
@@ -529,7 +539,7 @@ class ImpressStore:
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
-            len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
+            len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats())
         return out
