@@ -50,6 +50,13 @@ class OpenFile:
     perm: np.ndarray | None = None
 
 
+def _dir_blocks(path: Path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
 class Catalog:
     """Radix tree + index + file table of one store directory."""
 
@@ -351,8 +358,10 @@ class Catalog:
         return rec
 
     def disk_bytes(self) -> int:
-        """What the store puts on disk: its chunk files and its index (with WAL)."""
-        return self.chunk_bytes + self.index.footprint()
+        """What the store puts on disk: its chunk files, its index (with WAL) and the
+        two directories' own blocks."""
+        dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
+        return self.chunk_bytes + self.index.footprint() + dirs
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""

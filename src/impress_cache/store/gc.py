@@ -8,6 +8,7 @@ a request of this process is unlinked when the lease is released.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -209,7 +210,7 @@ class StoreGC:
         now = self._clock()
         seen: set[int] = set()
         aside: list[int] = []  # popped, not taken: back onto the heap afterwards
-        grace: list[RadixNode] = []  # free but for the grace period, lowest value first
+        grace: list[tuple[tuple[float, int], int, RadixNode]] = []  # heap: free but for the grace period
         victims: list[int] = []
         dropped: list[FileRecord] = []
         exhausted = False
@@ -230,12 +231,13 @@ class StoreGC:
             catalog.reload_tree()
             raise
         values.forget(victims)
-        values.push(aside + [n.id for n in grace])
+        values.push(aside + [item[1] for item in grace])
         catalog.forget({rec.id for rec in dropped})
         return len(victims), dropped, exhausted
 
     def _next_candidate(
-        self, protected: set[int], now: float, seen: set[int], aside: list[int], grace: list[RadixNode]
+        self, protected: set[int], now: float, seen: set[int], aside: list[int],
+        grace: list[tuple[tuple[float, int], int, RadixNode]],
     ) -> RadixNode | None:
         """The free leaf with the lowest value; when the heap has none left, the lowest
         one held only by its grace period; ``None`` when nothing can go."""
@@ -243,7 +245,7 @@ class StoreGC:
         while True:
             node_id = self._values.pop()
             if node_id is None:
-                return grace.pop(0) if grace else None
+                return heapq.heappop(grace)[2] if grace else None
             node = tree.get(node_id)
             if node_id in seen or node is None or node.children or node.parent is None:
                 continue  # a duplicate, or no longer a leaf of the tree
@@ -255,7 +257,7 @@ class StoreGC:
             if state == LEASED:
                 aside.append(node_id)
             elif state == GRACE:
-                grace.append(node)
+                heapq.heappush(grace, (self._values.sort_key(node_id), node_id, node))
             else:
                 return node
 
