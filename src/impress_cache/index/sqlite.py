@@ -103,7 +103,7 @@ _FILE_COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRecord:
     """One chunk file as the index records it (without its block table)."""
 
@@ -195,16 +195,24 @@ class Index:
 
     # -- transactions ----------------------------------------------------------------
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception."""
+    def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A transaction
+        that is not ``durable`` commits without waiting for the disk (``synchronous=
+        NORMAL``: atomic, but a power cut may undo it)."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._conn.execute("PRAGMA synchronous=FULL")
 
     def data_version(self) -> int:
         with self._lock:
@@ -373,7 +381,8 @@ class Index:
                         + ("is not indexed" if f is None else f"has {f.n_tokens} rows")
                         + ". Rebuild the index with `impress-cache verify --repair`."
                     )
-                tree.add_child(parent, f.tokens[file_row : file_row + length], file_id, file_row, node_id, terminal)
+                tokens = f.tokens if file_row == 0 and length == f.n_tokens else f.tokens[file_row : file_row + length]
+                tree.add_child(parent, tokens, file_id, file_row, node_id, terminal)
                 stack.append(node_id)
         if pending:
             orphans = sum(len(v) for v in pending.values())

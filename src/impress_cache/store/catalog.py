@@ -65,7 +65,7 @@ class Catalog:
         root: Path,
         index: Index,
         row_bytes: tuple[int, int],
-        on_forget: Callable[[set[int]], None],
+        on_forget: Callable[[set[int], dict[int, FileRecord]], None],
         on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
         on_leaves: Callable[[Iterable[int], bool], None] = lambda ids, reset: None,
     ) -> None:
@@ -321,8 +321,10 @@ class Catalog:
         record = self.records.get(file_id)
         return record.chunk_tokens if record is not None else self.open_file(file_id).record.chunk_tokens
 
-    def forget(self, file_ids: Iterable[int]) -> None:
-        """Drop everything this process knows about files (deleted or replaced)."""
+    def forget(self, file_ids: Iterable[int], records: Iterable[FileRecord] = ()) -> None:
+        """Drop everything this process knows about files (deleted or replaced);
+        ``records`` (of some of them) tell ``on_forget`` their shapes, so it can name
+        their blocks instead of searching for them."""
         ids = set(file_ids)
         if not ids:
             return
@@ -331,7 +333,7 @@ class Catalog:
                 f = self._open.pop(fid, None)
                 if f is not None and f.fd is not None:
                     os.close(f.fd)
-            self._on_forget(ids)
+            self._on_forget(ids, {r.id: r for r in records if r.id in ids})
 
     def drop_unreferenced_files(self, conn: object) -> list[FileRecord]:
         """Delete from the index the files no node references; return their records.

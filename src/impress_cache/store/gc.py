@@ -11,12 +11,14 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import StoreFormatError
 from ..index.radix import RadixNode
 from ..index.sqlite import WAL_LIMIT, FileRecord
+from ..storage.base import KV, PROBE, BlockKey
+from ..tiers import TierManager
 from .catalog import FILE_NAME, Catalog
 from .leases import GRACE, LEASED, LeaseTable
 from .values import NodeValues
@@ -76,7 +78,7 @@ class StoreGC:
             for rec in dropped:
                 if rec.id != file_id:
                     self._leases.defer_unlink(rec.id, rec.name)
-            catalog.forget({rec.id for rec in dropped} | {file_id})
+            catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
             if record is not None and FILE_NAME.match(record.name):
                 self._move_aside(record.name)
             self.counters.quarantined_files += 1
@@ -156,6 +158,9 @@ class StoreGC:
         if budget is None:
             return {**result, "disk_bytes": catalog.disk_bytes(), "budget": -1}
         protected = set(protect)
+        if not self._values.ordering:  # the first call: candidates from the whole tree, once
+            with catalog.lock:
+                self._values.reset_order([n.id for n in catalog.tree.nodes() if not n.children], start=True)
         bound = wal_bound(budget)
         self._trim_wal(bound)
         stuck = False
@@ -215,7 +220,10 @@ class StoreGC:
         dropped: list[FileRecord] = []
         exhausted = False
         try:
-            with catalog.index.transaction() as conn:
+            # not fsynced: a removal a power cut undoes leaves rows whose file is gone,
+            # which reads treat as a damaged file (quarantine, recompute); the next
+            # durable commit makes it durable
+            with catalog.index.transaction(durable=False) as conn:
                 while used > budget and len(victims) < BATCH:
                     node = self._next_candidate(protected, now, seen, aside, grace)
                     if node is None:
@@ -232,7 +240,7 @@ class StoreGC:
             raise
         values.forget(victims)
         values.push(aside + [item[1] for item in grace])
-        catalog.forget({rec.id for rec in dropped})
+        catalog.forget({rec.id for rec in dropped}, dropped)
         return len(victims), dropped, exhausted
 
     def _next_candidate(
@@ -260,6 +268,26 @@ class StoreGC:
                 heapq.heappush(grace, (self._values.sort_key(node_id), node_id, node))
             else:
                 return node
+
+
+def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:
+    """Every block key (K/V and probe, every layer) of the files ``records``."""
+    for rec in records:
+        for kind in (KV, PROBE):
+            for layer in range(rec.layers):
+                for block in range(rec.blocks):
+                    yield (rec.id, kind, layer, block)
+
+
+def drop_blocks(tiers: TierManager, file_ids: set[int], records: dict[int, FileRecord]) -> None:
+    """Forget the blocks of deleted files in the memory tiers: by key for files whose
+    shape ``records`` gives (cost per block of those files), by a search of every block
+    the tiers know for the others (files another process deleted)."""
+    for key in block_keys(records.values()):
+        tiers.drop(key)
+    unknown = file_ids - set(records)
+    if unknown:
+        tiers.drop_where(lambda key: key[0] in unknown)
 
 
 def wal_bound(budget: int) -> int:

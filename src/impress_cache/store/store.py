@@ -35,7 +35,7 @@ import torch
 from ..config import ImpressConfig
 from ..errors import ConfigError, StoreFormatError
 from ..index.radix import Match, RadixTree, Segment, as_tokens
-from ..index.sqlite import Index
+from ..index.sqlite import FileRecord, Index
 from ..storage import FORMATS
 from ..storage.base import KV, BlockKey
 from ..storage.reader import BlockReader
@@ -46,7 +46,7 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
-from .gc import StoreGC
+from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
@@ -134,9 +134,8 @@ class ImpressStore:
             row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
             self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
             self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
-            self._catalog = Catalog(
-                self.path, index, row_bytes, self._forget_files, self._split, self._leaves_changed
-            )
+            on_leaves = self._values.leaves_changed  # the disk budget's candidates
+            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split, on_leaves)
         except BaseException:
             index.close()
             raise
@@ -172,10 +171,8 @@ class ImpressStore:
         loaded = self._stats.load()
         if cfg.reorg_idle_ms is not None and model is not None:
             self._reorder.reorganizer.start()
-        log.info(
-            "opened store %s: %d nodes, %d files, statistics of %d blocks",
-            self.path, len(self.tree), len(self._catalog.records), loaded,
-        )
+        n_files = len(self._catalog.records)
+        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), n_files, loaded)
 
     def _policy_kwargs(self) -> dict[str, Any]:
         cfg = self.config
@@ -228,6 +225,7 @@ class ImpressStore:
             self.flush()
         finally:
             self._writer.close()
+            self._leases.unlinker.close()
             self.fetcher.shutdown(wait=True)
             self.loader.shutdown(wait=True)
             self.save_block_stats()
@@ -241,6 +239,7 @@ class ImpressStore:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
         save the statistics of the blocks read since the last save."""
         self._writer.flush()
+        self._leases.unlinker.drain()
         self.save_block_stats()
 
     def _check_open(self) -> None:
@@ -397,16 +396,9 @@ class ImpressStore:
         self._values.inherit(old_id, new_ids)
         self._importance.split(old_id, new_ids, k)
 
-    def _leaves_changed(self, node_ids: Iterable[int], reset: bool) -> None:
-        """Nodes that may have become leaves enter the disk budget's eviction heap."""
-        if reset:
-            self._values.reset_order(node_ids)
-        else:
-            self._values.push(node_ids)
-
-    def _forget_files(self, file_ids: set[int]) -> None:
+    def _forget_files(self, file_ids: set[int], records: dict[int, FileRecord]) -> None:
         """Drop everything the memory tiers know about blocks of deleted files."""
-        self.tiers.drop_where(lambda key: key[0] in file_ids)
+        drop_blocks(self.tiers, file_ids, records)
         self._stats.forget(file_ids)
 
     # -- maintenance -----------------------------------------------------------------
@@ -495,8 +487,7 @@ class ImpressStore:
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
-        """Bytes the store takes on disk, as the disk budget counts them: the chunk files
-        the index references (as the blocks they take) and the index with its WAL."""
+        """Bytes the store takes on disk, as the disk budget counts them (chunk files, index, WAL)."""
         return self._catalog.disk_bytes()
 
     def stats(self) -> dict[str, Any]:

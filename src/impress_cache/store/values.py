@@ -41,6 +41,9 @@ class NodeValues:
         self._heap: list[tuple[tuple[float, int], int]] = []
         #: nodes with at least one heap item (a forgotten node loses its place)
         self._queued: set[int] = set()
+        #: whether the heap is kept (from the first `reset_order(..., start=True)` on: a
+        #: store without a disk budget pays nothing for it)
+        self.ordering = False
 
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
@@ -114,9 +117,21 @@ class NodeValues:
             for node_id in node_ids:
                 self._push(node_id, now)
 
-    def reset_order(self, node_ids: Iterable[int]) -> None:
-        """Start the heap again with exactly ``node_ids`` (after the tree was reloaded)."""
+    def leaves_changed(self, node_ids: Iterable[int], reset: bool) -> None:
+        """`Catalog`'s ``on_leaves``: nodes that may have become leaves (``reset``: the
+        tree was loaded and these are all its leaves)."""
+        if reset:
+            self.reset_order(node_ids)
+        else:
+            self.push(node_ids)
+
+    def reset_order(self, node_ids: Iterable[int], start: bool = False) -> None:
+        """Start the heap again with exactly ``node_ids`` (the tree's leaves, after it
+        was loaded); ``start`` keeps the heap from now on."""
         with self._lock:
+            if not (self.ordering or start):
+                return
+            self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
             self._heap = [(self._policy.sort_key(n, now), n) for n in self._queued]
@@ -144,6 +159,8 @@ class NodeValues:
         return len(self._heap)
 
     def _push(self, node_id: int, now: float) -> None:
+        if not self.ordering:
+            return
         heapq.heappush(self._heap, (self._policy.sort_key(node_id, now), node_id))
         self._queued.add(node_id)
         if len(self._heap) > _COMPACT_MIN and len(self._heap) > 4 * len(self._queued):
