@@ -13,6 +13,7 @@ is a run of a file's rows (its tokens are that file's tokens, not a copy).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sqlite3
@@ -359,7 +360,19 @@ class Index:
 
     def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
         """Rebuild the radix tree from the node table; node tokens are views of their
-        files' token arrays. Returns the tree and the file records by id."""
+        files' token arrays (the blob wrapped, not converted). Returns the tree and the
+        file records by id. The cyclic garbage collector is paused meanwhile: the load
+        creates a few objects per node and nothing to collect, and collections that
+        walk every object made so far would make it quadratic."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load_tree()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
         with self._lock:
             rows = self._conn.execute(
                 "SELECT id, parent, file_id, file_row, length, terminal FROM nodes ORDER BY id"

@@ -110,7 +110,7 @@ class StoreGC:
         write (it never deletes files it did not create).
         """
         catalog = self._catalog
-        known = set(catalog.index.file_names().values())
+        known = {rec.name for rec in catalog.records.values()}  # the index as the catalog loaded it
         foreign, orphans = [], []
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name
