@@ -12,6 +12,9 @@ from .errors import (
     CorruptBlockError,
     ImpressError,
     ModelMismatchError,
+    ReadOnlyStoreError,
+    StoreFormatError,
+    StoreIOError,
     UnsupportedModelError,
 )
 from .hf.cache import ImpressCache
@@ -31,6 +34,9 @@ __all__ = [
     "ImpressError",
     "ImpressStore",
     "ModelMismatchError",
+    "ReadOnlyStoreError",
+    "StoreFormatError",
+    "StoreIOError",
     "RequestStats",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",

@@ -2,6 +2,7 @@
 
     impress-cache info DIR      # model record, prompts, files, bytes
     impress-cache verify DIR    # read every block and check its CRC-32
+    impress-cache verify --repair DIR   # rebuild the index from the chunk files' headers
     impress-cache reorg DIR     # rewrite nodes in the order their importance statistics call for
 """
 
@@ -90,6 +91,24 @@ def verify(path: Path) -> list[dict]:
     return bad
 
 
+def repair_store(path: Path) -> dict:
+    """Rebuild the index from the chunk files' headers (`store.repair`), then verify
+    every block and quarantine the files that fail."""
+    from .store.repair import repair
+    from .store.store import ImpressStore
+
+    result = repair(path)
+    bad = verify(path)
+    if bad:
+        with ImpressStore(path, None) as store:
+            ids = {name: fid for fid, name in store.index.file_names().items()}
+            for b in bad:
+                store.quarantine(ids[b["file"]], b["error"])
+        result["files"] -= len(bad)
+    result["damaged_files"] = bad
+    return result
+
+
 def reorg(path: Path, force: bool = False, limit: int | None = None, **config: object) -> dict:
     """Rewrite the nodes whose saved importance statistics call for a new order
     (``config``: `ImpressConfig` fields, e.g. the ``important_ratio`` the gain is
@@ -107,8 +126,10 @@ def reorg(path: Path, force: bool = False, limit: int | None = None, **config: o
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="impress-cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("info", "verify"):
-        sub.add_parser(name).add_argument("store", type=Path)
+    sub.add_parser("info").add_argument("store", type=Path)
+    v = sub.add_parser("verify", help="read every block and check its checksum")
+    v.add_argument("store", type=Path)
+    v.add_argument("--repair", action="store_true", help="rebuild the index from the chunk files' headers first")
     r = sub.add_parser("reorg", help="rewrite nodes in the order their importance statistics call for")
     r.add_argument("store", type=Path)
     r.add_argument("--force", action="store_true", help="every node with statistics, whatever the expected gain")
@@ -126,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             args.store, args.force, args.limit, important_ratio=args.important_ratio, chunk_tokens=args.chunk_tokens,
             reorg_min_requests=args.min_requests, reorg_min_gain=args.min_gain,
         )
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.repair:
+        result = repair_store(args.store)
         print(json.dumps(result, indent=2))
         return 0
     bad = verify(args.store)

@@ -11,7 +11,7 @@ from .probe import ENCODINGS
 from .selection.modes import SELECTION_MODES
 from .tiers.policies import POLICIES
 from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
-from .validate import check_choice, check_class_shares, check_int, check_seconds, check_unit, is_number
+from .validate import check_choice, check_class_shares, check_file_mode, check_int, check_seconds, check_unit, is_number
 
 _DECODES = ("full", "keep")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -105,11 +105,27 @@ class ImpressConfig:
         the next layer finds most of its rows read; what it chose besides is read then.
         Blocks read this way but not chosen count as invalid I/O (and, with
         ``decode="full"``, are not read again for decoding).
+    file_mode:
+        Permission bits of the store's files (``0o600``, the default: only the owner
+        can read the K/V, from which prompts can be reconstructed). Directories get the
+        same bits plus search (``x``) where reading is allowed, so ``0o640`` lets a
+        serving group read the store. Applied to what the store creates from now on.
     stats_interval_s:
         Block statistics (frequency, importance share, last access) are written to the
         index on `flush`, on `close` and, while requests run, at most every
         ``stats_interval_s`` seconds (in the background). ``None``: only on flush and
         close.
+    reorg_idle_ms:
+        Importance reordering: a background thread rewrites nodes whose statistics call
+        for a new row order once the store has been idle this long, and waits for this
+        much idleness again before every block it writes. ``None``: no background
+        rewrites (`ImpressStore.reorganize` and ``impress-cache reorg`` still work).
+    reorg_min_requests:
+        Sparse requests a node must gather since its order was last decided before the
+        reorganiser looks at it again.
+    reorg_min_gain:
+        A node is rewritten when its top ``important_ratio`` rows would need at least
+        this share fewer blocks afterwards (docs: Importance reordering).
     """
 
     chunk_tokens: int = 16
@@ -137,6 +153,7 @@ class ImpressConfig:
     reorg_idle_ms: float | None = 50.0
     reorg_min_requests: int = 4
     reorg_min_gain: float = 0.2
+    file_mode: int = 0o600
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
@@ -173,6 +190,7 @@ class ImpressConfig:
             raise ConfigError(f"reorg_idle_ms must be None or a number of milliseconds >= 0, got {self.reorg_idle_ms!r}")
         check_int("reorg_min_requests", self.reorg_min_requests, 1)
         check_unit("reorg_min_gain", self.reorg_min_gain)
+        check_file_mode("file_mode", self.file_mode)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""

@@ -34,3 +34,13 @@ class CorruptBlockError(ImpressError, IOError):
     def __init__(self, message: str, file_id: int) -> None:
         super().__init__(message)
         self.file_id = file_id
+
+
+class StoreIOError(ImpressError, OSError):
+    """The store cannot read or write its directory (disk full, an I/O error, no
+    permission, a read-only volume); the message names the path and what to do."""
+
+
+class ReadOnlyStoreError(StoreIOError):
+    """A store on a read-only path was opened for writing; open it with
+    ``ImpressStore(path, model, config, read_only=True)``."""

@@ -73,3 +73,16 @@ def check_class_shares(name: str, shares: Any) -> dict[str, float]:
     if not math.isclose(total, 1.0, abs_tol=1e-6):
         raise ConfigError(f"{name} must sum to 1, got {total} for {dict(shares)!r}")
     return {c: float(shares[c]) for c in IMPORTANCE_CLASSES}
+
+
+def check_file_mode(name: str, value: Any) -> int:
+    """Permission bits of the store's files: read and write for the owner, at most read
+    and write for group and others (no execute, setuid or sticky bits), e.g. ``0o600``
+    or ``0o640``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value & ~0o666 or value & 0o600 != 0o600:
+        shown = oct(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        raise ConfigError(
+            f"{name} must be permission bits that give the owner read and write and others at most read and "
+            f"write (0o600, 0o640, 0o660, 0o644 ...), got {shown}"
+        )
+    return value

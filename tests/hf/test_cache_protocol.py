@@ -145,6 +145,7 @@ def test_layers_take_the_dtype_of_the_incoming_keys(stored):
     cache = ImpressCache(store, rows[0].unsqueeze(0))
     layer = cache.layers[0]
     new = torch.zeros(1, 2, 6, 16, dtype=torch.bfloat16)  # the stored rows are float32
+    cache.check_forward(rows[0][None, 60:], None)  # what the model's forward hook does before any update
     keys, values = cache.update(new, new, 0, kwargs={})  # 5.24 passes the module's kwargs
     assert keys.dtype == values.dtype == torch.bfloat16 and keys.shape[-2] == 66
     assert layer.keys.dtype == torch.bfloat16

@@ -469,8 +469,11 @@ def test_block_statistics_survive_reopen(tmp_path, model, policy):
         for k in keys:
             assert after[k]["count"] == before[k]["count"] >= 3
             assert after[k]["share"] == pytest.approx(before[k]["share"])
-            # (saved ages mix the wall clock and the store's monotonic clock: 1e-5 of slack)
-            assert before[k]["freq"] * decay * (1 - 1e-5) <= after[k]["freq"] <= before[k]["freq"] * (1 + 1e-6)
+            # (saved ages mix the wall clock and the store's monotonic clock, read one after
+            # the other: a loaded machine can run other threads between the two reads, so
+            # allow a quarter of a second of decay on top)
+            slack = 2.0 ** (-0.25 / cfg.half_life_s) if policy == "score" else 1.0
+            assert before[k]["freq"] * decay * slack * (1 - 1e-9) <= after[k]["freq"] <= before[k]["freq"] * (1 + 1e-6)
             assert after[k]["age_s"] >= before[k]["age_s"]
         assert sorted(keys, key=lambda k: (store.tiers.priority(k), k)) == order
         assert len(store.tiers) == 0  # statistics, not payloads

@@ -297,6 +297,12 @@ class ImpressCache(Cache):
         # 5.24 passes the attention module's kwargs as update(..., kwargs=...): they go on to the layer
         req = self._bound()
         assert self._guard is not None
+        if self._guard.state == "ready":  # no forward of the store's model checked this one
+            raise CacheUsageError(
+                f"this ImpressCache serves only the model its store at {self.store.path} was opened with, through "
+                "that model's forward: it was used by another model (or after remove_hooks). Open a store for this "
+                "model and build the cache on it"
+            )
         layer = self.layers[layer_idx]
         if not layer.is_initialized and req.reused > 0:
             layer.place(*req.prefix_for(layer_idx, key_states))

@@ -100,10 +100,22 @@ def _generate_wrapper(model: torch.nn.Module, original: Callable[..., Any], cach
     def generate(*args: Any, **kwargs: Any) -> Any:
         cache = cache_argument(kwargs)
         if isinstance(cache, cache_type):
+            check_model(model, cache)
             _begin_generate(model, cache, args, kwargs)
         return original(*args, **kwargs)
 
     return generate
+
+
+def check_model(model: torch.nn.Module | None, cache: Any) -> None:
+    """An ImpressCache serves only the model its store was opened with: K/V computed
+    by another model (other weights, even of the same shape) would give wrong output."""
+    if model is not None and cache.store.model is not model:
+        raise CacheUsageError(
+            f"this ImpressCache belongs to the store at {cache.store.path}, opened with another model "
+            f"({type(cache.store.model).__name__} at {id(cache.store.model):#x}); its K/V cannot serve "
+            f"{type(model).__name__} at {id(model):#x}. Open a store for this model and build the cache on it"
+        )
 
 
 def _begin_generate(model: torch.nn.Module, cache: Any, args: tuple, kwargs: dict) -> None:
@@ -128,6 +140,7 @@ def _prepare_wrapper(original: Callable[..., Any], cache_type: type) -> Callable
     def prepare_inputs_for_generation(*args: Any, **kwargs: Any) -> Any:
         cache = cache_argument(kwargs)
         if isinstance(cache, cache_type):
+            check_model(getattr(original, "__self__", None), cache)
             ids = kwargs.get("input_ids", args[0] if args else None)
             if not cache.is_bound:
                 kwargs = _bind_in_prefill(cache, ids, kwargs)
@@ -157,6 +170,7 @@ def _model_pre_hook(cache_type: type) -> Callable[..., None]:
     def pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         cache = cache_argument(kwargs)
         if isinstance(cache, cache_type):
+            check_model(module, cache)
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache.check_forward(ids, kwargs.get("attention_mask"))
 

@@ -17,13 +17,14 @@ layers (`recovery`); later requests match a shorter prefix.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import Future
 
 import torch
 
-from ..errors import CacheUsageError, CorruptBlockError
+from ..errors import CacheUsageError, CorruptBlockError, ImpressError, StoreFormatError, StoreIOError
 from ..index.radix import Match, Segment
 from ..selection.modes import BASELINES
 from ..stats import RequestStats, RowStats
@@ -32,6 +33,8 @@ from ..store.store import ImpressStore
 from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
 from .sparse import SparsePrefill
+
+log = logging.getLogger(__name__)
 
 
 class PrefixRequest:
@@ -58,7 +61,10 @@ class PrefixRequest:
         self._recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prefill_started: float | None = None
         t0 = time.perf_counter()
-        self._plan()
+        try:
+            self._plan()
+        except (StoreFormatError, StoreIOError) as exc:
+            self._reuse_nothing(exc)
         self.stats.load_seconds = time.perf_counter() - t0
 
     @property
@@ -71,6 +77,21 @@ class PrefixRequest:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+
+    def _reuse_nothing(self, exc: ImpressError) -> None:
+        """The store cannot serve this request (a damaged index, an I/O error): compute
+        the whole prompt, as without a store."""
+        log.warning("the store at %s cannot serve this request, computing the whole prompt: %s", self.store.path, exc)
+        self.release_lease()
+        self.reuse = False
+        self.reused = 0
+        self.sparse = self._dense = None
+        self.stats = RequestStats()
+        pads = self.pads
+        for i in range(self.ids.shape[0]):
+            n = self.ids.shape[1] - pads[i]
+            self.stats.rows.append(RowStats(n, 0, 0, n))
+        self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
 
     def _plan(self) -> None:
         store = self.store
@@ -121,24 +142,34 @@ class PrefixRequest:
             else:
                 assert self._dense is not None
                 buf, held = self._dense.layer(layer), self.reused
-        except CorruptBlockError as exc:
+        except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:
             self._recover(exc)
             return self.prefix_for(layer, key_states)
         if self.sparse is None and not torch.equal(self.rows, torch.arange(len(self.rows))):
             buf = buf.index_select(1, self.rows)  # dense buffers hold the planned rows
         return buf, held
 
-    def _recover(self, exc: CorruptBlockError) -> None:
-        """Quarantine the damaged file and recompute the prefix for the remaining layers."""
+    def _recover(self, exc: ImpressError) -> None:
+        """Quarantine a damaged file and recompute the prefix for the remaining layers
+        (also when the store cannot be read at all)."""
         if self._recomputed is not None:
             raise CacheUsageError(f"a recomputed prefix failed to load: {exc}") from exc
-        self.store.quarantine(exc.file_id, str(exc))
-        self.stats.quarantined_files += 1
+        if isinstance(exc, CorruptBlockError):
+            self._quarantine(exc)
+        else:
+            log.warning("reading the prefix from %s failed, recomputing it: %s", self.store.path, exc)
         if self._dense is not None:
             self._dense.cancel()
         if self.sparse is not None and self.sparse.probes is not None:
             self.sparse.probes.cancel()
         self._recomputed = recompute_prefix(self.store.model, *self._planned, self.reused)
+
+    def _quarantine(self, exc: CorruptBlockError) -> None:
+        try:
+            self.store.quarantine(exc.file_id, str(exc))
+            self.stats.quarantined_files += 1
+        except (StoreFormatError, StoreIOError) as err:  # the index cannot record it: recompute anyway
+            log.warning("could not quarantine file %s of %s: %s", exc.file_id, self.store.path, err)
 
     def _recomputed_layer(self, layer: int) -> torch.Tensor:
         assert self._recomputed is not None
@@ -176,9 +207,9 @@ class PrefixRequest:
         fut, self._full = self._full, None
         try:
             keys, values, nbytes, blocks = fut.result()
-        except CorruptBlockError as exc:
-            self.store.quarantine(exc.file_id, str(exc))
-            self.stats.quarantined_files += 1
+        except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:
+            if isinstance(exc, CorruptBlockError):
+                self._quarantine(exc)
             rec = recompute_prefix(self.store.model, *self._planned, self.reused)
             keys = torch.stack([k for k, _ in rec]).index_select(1, self.rows)
             values = torch.stack([v for _, v in rec]).index_select(1, self.rows)
@@ -212,9 +243,13 @@ class PrefixRequest:
             if toks in seen:
                 continue
             seen.add(toks)
-            self.store.put_async(
-                toks, [k[i, :, pads[i] : seq] for k in layer_keys], [v[i, :, pads[i] : seq] for v in layer_values]
-            )
+            try:
+                self.store.put_async(
+                    toks, [k[i, :, pads[i] : seq] for k in layer_keys], [v[i, :, pads[i] : seq] for v in layer_values]
+                )
+            except (StoreFormatError, StoreIOError) as exc:
+                log.warning("the prompt is not stored: %s", exc)
+                continue
             self.stats.stored_prompts += 1
 
 

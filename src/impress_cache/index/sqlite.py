@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,15 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreFormatError
+from ..errors import ReadOnlyStoreError, StoreFormatError
+from .guard import _DAMAGE, _check_regular, _guarded, index_error
 from ..storage.base import BlockKey
 from .radix import RadixTree
 
 SCHEMA_VERSION = "3"
 #: bytes the WAL keeps after a checkpoint that emptied it (``PRAGMA journal_size_limit``)
 WAL_LIMIT = 1 << 20
-#: files SQLite keeps next to the index
-_SIDE_FILES = ("-wal", "-shm")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -154,41 +154,103 @@ class NewFile:
 
 
 def _record(row: tuple) -> FileRecord:
-    return FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11]))
+    rec = FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11]))
+    if (
+        len(rec.tokens) != rec.n_tokens or len(rec.context) != 32 or rec.first_pos < 0 or rec.n_tokens < 1
+        or rec.chunk_tokens < 1 or rec.layers < 1
+    ):
+        raise ValueError(f"file {rec.id} ({rec.name!r}) has a malformed record")
+    return rec
 
 
 class Index:
-    """A WAL-mode SQLite database; every method is safe to call from any thread."""
+    """A WAL-mode SQLite database; every method is safe to call from any thread.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._conn = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
+    Every SQLite error (and every malformed value read back) is raised as an
+    `ImpressError` naming the index file: `StoreIOError` when the disk or the
+    permissions are the cause (full, I/O error, locked, read-only), `StoreFormatError`
+    (damage: rebuild with ``impress-cache verify --repair``) otherwise.
+
+    ``read_only``: open without writing anything (``mode=ro``; on a read-only volume
+    without the WAL's shared-memory file, ``immutable=1``). ``file_mode``: permission bits
+    of a new index file (SQLite gives its ``-wal`` and ``-shm`` files the same).
+    """
+
+    def __init__(self, path: Path, read_only: bool = False, file_mode: int = 0o600) -> None:
+        self.path = path = Path(path)
+        self.read_only = read_only
+        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            _check_regular(p)
+        try:
+            self._conn = self._connect(path, read_only, file_mode)
+        except sqlite3.Error as exc:
+            raise index_error(path, exc) from exc
         self._lock = threading.RLock()
         try:
             with self._lock:
-                self._conn.execute("PRAGMA journal_mode=WAL")
-                self._conn.execute("PRAGMA synchronous=FULL")
-                # a checkpoint that empties the WAL also shrinks it to this size
-                self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
-                with self.transaction() as conn:
-                    version = conn.execute(
-                        "SELECT value FROM meta WHERE key='schema_version'"
-                    ).fetchone() if _has_meta(conn) else None
-                    if version is not None and version[0] != SCHEMA_VERSION:
-                        raise StoreFormatError(
-                            f"the index {path} has schema version {version[0]}; this version of impress_cache "
-                            f"reads schema {SCHEMA_VERSION}. Stores of older versions cannot be upgraded in place: "
-                            "open a new store directory (or delete this one) and let it fill again."
-                        )
-                    for statement in _SCHEMA.split(";"):
-                        if statement.strip():
-                            conn.execute(statement)
-                    if version is None:
-                        conn.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-        except BaseException:
+                if read_only:
+                    self._check_version(self._conn)
+                else:
+                    self._conn.execute("PRAGMA journal_mode=WAL")
+                    self._conn.execute("PRAGMA synchronous=FULL")
+                    # a checkpoint that empties the WAL also shrinks it to this size
+                    self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
+                    with self.transaction() as conn:
+                        version = self._check_version(conn)
+                        for statement in _SCHEMA.split(";"):
+                            if statement.strip():
+                                conn.execute(statement)
+                        if version is None:
+                            conn.execute(
+                                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,)
+                            )
+            self._seen_version = self.data_version()
+        except BaseException as exc:
             self._conn.close()
+            if isinstance(exc, _DAMAGE):
+                raise index_error(path, exc) from exc
             raise
-        self._seen_version = self.data_version()
+
+    @staticmethod
+    def _connect(path: Path, read_only: bool, file_mode: int) -> sqlite3.Connection:
+        def connect(target: str, uri: bool = False) -> sqlite3.Connection:
+            return sqlite3.connect(
+                target, timeout=30.0, check_same_thread=False, isolation_level=None, uri=uri
+            )
+
+        if not read_only:
+            try:  # a new index gets the store's file mode (SQLite would follow the umask)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+            except FileExistsError:
+                pass
+            else:
+                os.fchmod(fd, file_mode)  # the mode of os.open is masked by the umask
+                os.close(fd)
+            return connect(str(path))
+        if not path.exists():
+            raise StoreFormatError(f"{path.parent} holds no impress_cache store (no {path.name}); a read-only store cannot be created")
+        target = "file:" + urllib.parse.quote(str(path.resolve()))
+        conn = connect(target + "?mode=ro", uri=True)
+        try:
+            conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            return conn
+        except sqlite3.OperationalError:
+            # a WAL-mode database on a read-only volume without its -shm file: nobody can
+            # be writing it, so it is read as immutable
+            conn.close()
+            return connect(target + "?immutable=1", uri=True)
+
+    def _check_version(self, conn: sqlite3.Connection) -> str | None:
+        version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() if _has_meta(conn) else None
+        if version is None and self.read_only:
+            raise StoreFormatError(f"the index {self.path} records no schema version: it is not an impress_cache store")
+        if version is not None and version[0] != SCHEMA_VERSION:
+            raise StoreFormatError(
+                f"the index {self.path} has schema version {version[0]}; this version of impress_cache "
+                f"reads schema {SCHEMA_VERSION}. Stores of older versions cannot be upgraded in place: "
+                "open a new store directory (or delete this one) and let it fill again."
+            )
+        return None if version is None else version[0]
 
     def close(self) -> None:
         with self._lock:
@@ -197,23 +259,50 @@ class Index:
     # -- transactions ----------------------------------------------------------------
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A transaction
-        that is not ``durable`` commits without waiting for the disk (``synchronous=
-        NORMAL``: atomic, but a power cut may undo it)."""
+        """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A failed
+        ``COMMIT`` (disk full, I/O error) is rolled back and raised as `StoreIOError`. A
+        transaction that is not ``durable`` commits without waiting for the disk
+        (``synchronous=NORMAL``: atomic, but a power cut may undo it)."""
+        if self.read_only:
+            raise ReadOnlyStoreError(f"the store of {self.path} is open read-only; it writes nothing")
         with self._lock:
             if not durable:
                 self._conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._conn
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
+                with self._transaction() as conn:
+                    yield conn
             finally:
                 if not durable:
                     self._conn.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise index_error(self.path, exc) from exc
+            try:
+                yield self._conn
+            except BaseException as exc:
+                self._rollback()
+                if isinstance(exc, sqlite3.Error):
+                    raise index_error(self.path, exc) from exc
+                raise
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback()
+                raise index_error(self.path, exc) from exc
+
+    def _rollback(self) -> None:
+        try:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
     def data_version(self) -> int:
         with self._lock:
@@ -310,10 +399,9 @@ class Index:
         return conn.execute("SELECT 1 FROM nodes WHERE file_id=? LIMIT 1", (file_id,)).fetchone() is not None
 
     def footprint(self) -> int:
-        """Bytes the index takes on disk: the database, its WAL and shared-memory file
-        (allocated blocks, as ``du`` counts them)."""
+        """Bytes the index, its WAL and shared-memory file take on disk (as ``du``)."""
         total = 0
-        for suffix in ("", *_SIDE_FILES):
+        for suffix in ("", "-wal", "-shm"):
             try:
                 st = os.stat(f"{self.path}{suffix}")
             except FileNotFoundError:
@@ -328,8 +416,9 @@ class Index:
             return 0
 
     def checkpoint(self) -> bool:
-        """Copy the WAL into the database and truncate it (``wal_checkpoint(TRUNCATE)``);
-        False when a reader in another process kept it from finishing."""
+        """``wal_checkpoint(TRUNCATE)``; False when another process's reader kept it from finishing."""
+        if self.read_only:
+            return False
         with self._lock:
             busy = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
         return not busy
@@ -361,9 +450,8 @@ class Index:
     def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
         """Rebuild the radix tree from the node table; node tokens are views of their
         files' token arrays (the blob wrapped, not converted). Returns the tree and the
-        file records by id. The cyclic garbage collector is paused meanwhile: the load
-        creates a few objects per node and nothing to collect, and collections that
-        walk every object made so far would make it quadratic."""
+        file records by id. The cyclic garbage collector is paused meanwhile (the load
+        makes a few objects per node and no garbage; collections would walk them all)."""
         paused = gc.isenabled()
         gc.disable()
         try:
@@ -421,16 +509,7 @@ class Index:
             )
             for k, r in records.items()
         ]
-        if not rows:
-            return 0
-        with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR REPLACE INTO block_stats(file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at) "
-                "SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM files WHERE id=?)",
-                rows,
-            )
-            return conn.total_changes - before
+        return self._upsert_if_owned("block_stats", "file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at", "files", rows)
 
     def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
         """Every saved block statistic whose file is still in the index (``count``,
@@ -459,13 +538,19 @@ class Index:
             )
             for k, r in records.items()
         ]
+        return self._upsert_if_owned("node_stats", "node_id, count, freq, share, age_s, seq, saved_at", "nodes", rows)
+
+    def _upsert_if_owned(self, table: str, columns: str, owner: str, rows: list[tuple]) -> int:
+        """``INSERT OR REPLACE`` ``rows`` into ``table`` (the values of ``columns``, then
+        the id of the row of ``owner`` they belong to, which must exist: rows of removed
+        files or nodes are skipped); returns the number of rows written."""
         if not rows:
             return 0
+        marks = ",".join("?" * len(columns.split(",")))
         with self.transaction() as conn:
             before = conn.total_changes
             conn.executemany(
-                "INSERT OR REPLACE INTO node_stats(node_id, count, freq, share, age_s, seq, saved_at) "
-                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
+                f"INSERT OR REPLACE INTO {table}({columns}) SELECT {marks} WHERE EXISTS (SELECT 1 FROM {owner} WHERE id=?)",
                 rows,
             )
             return conn.total_changes - before
@@ -480,16 +565,7 @@ class Index:
             )
             for k, (a, req, pend) in records.items()
         ]
-        if not rows:
-            return 0
-        with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                "INSERT OR REPLACE INTO node_importance(node_id, layers, length, scores, requests, pending, saved_at) "
-                "SELECT ?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM nodes WHERE id=?)",
-                rows,
-            )
-            return conn.total_changes - before
+        return self._upsert_if_owned("node_importance", "node_id, layers, length, scores, requests, pending, saved_at", "nodes", rows)
 
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
         """Saved per-node importance: ``node -> (scores float32, requests, pending, saved_at)``."""
@@ -513,6 +589,11 @@ class Index:
             (r[0], {"count": r[1], "freq": r[2], "share": r[3], "age_s": r[4], "seq": r[5], "saved_at": r[6]})
             for r in rows
         ]
+
+
+for _name, _fn in list(vars(Index).items()):
+    if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
+        setattr(Index, _name, _guarded(_fn))
 
 
 def _has_meta(conn: sqlite3.Connection) -> bool:

@@ -197,6 +197,10 @@ class ChunkFormat(ABC):
     def read_metadata(self, path: Path) -> dict[str, str]:
         """The ``metadata`` a file was written with (for repair and inspection)."""
 
+    @abstractmethod
+    def block_offsets(self, path: Path) -> dict[str, int]:
+        """File offset of every block, by `BlockData.name` (for repair)."""
+
 
 def fsync_path(path: Path) -> None:
     """Flush a file's (or a directory's) data and metadata to the device."""

@@ -52,3 +52,10 @@ class HDF5Format(ChunkFormat):
     def read_metadata(self, path: Path) -> dict[str, str]:
         with h5py.File(path, "r") as f:
             return {k: str(v) for k, v in f.attrs.items()}
+
+    def block_offsets(self, path: Path) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with h5py.File(path, "r") as f:
+            f.visititems(lambda name, obj: out.__setitem__(name.replace("/", "."), obj.id.get_offset())
+                         if isinstance(obj, h5py.Dataset) else None)
+        return out

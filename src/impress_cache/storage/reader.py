@@ -13,6 +13,7 @@ without the GIL) before the batch is reported done.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,10 +133,15 @@ class BlockReader:
 
 
 def _open(g: FileBlocks) -> int:
+    """No symbolic links, never blocking on a FIFO, regular files only."""
     try:
-        return os.open(g.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(g.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise CorruptBlockError(f"cannot open chunk file {g.path}: {exc}", g.file_id) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptBlockError(f"chunk file {g.path} is not a regular file", g.file_id)
+    return fd
 
 
 def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:

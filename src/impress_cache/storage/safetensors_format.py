@@ -67,9 +67,16 @@ class SafetensorsFormat(ChunkFormat):
         return offsets
 
     def read_metadata(self, path: Path) -> dict[str, str]:
+        return dict(self._header(path)[0].get("__metadata__") or {})
+
+    def block_offsets(self, path: Path) -> dict[str, int]:
+        header, start = self._header(path)
+        return {k: start + int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+
+    @staticmethod
+    def _header(path: Path) -> tuple[dict, int]:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > 1 << 30:
                 raise ValueError(f"{path}: safetensors header of {size} bytes")
-            header = json.loads(f.read(size))
-        return dict(header.get("__metadata__") or {})
+            return json.loads(f.read(size)), 8 + size

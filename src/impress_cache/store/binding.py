@@ -76,13 +76,16 @@ def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path
     """Record the model and probe settings in a new store, or check them against an
     existing one (`ModelMismatchError` / `ConfigError` naming every differing field)."""
     spec = model_spec(model, config.kv_dtype)
+    if index.read_only:  # nothing to record: the store must be bound already
+        recorded(index, path)
     # one transaction each: of two processes creating a store, one records its model
-    spec.check_same(index.get_or_set_json("model", spec.to_dict()), str(path))
+    stored = index.get_json("model") if index.read_only else index.get_or_set_json("model", spec.to_dict())
+    spec.check_same(stored, str(path))
     q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(config.probe_heads, spec.num_attention_heads))
     group = spec.num_attention_heads // spec.num_kv_heads
     kv = tuple(sorted({h // group for h in q}))
     want = {"query_heads": list(q), "kv_heads": list(kv), "encoding": config.probe_dtype}
-    stored_probe = index.get_or_set_json("probe", want)
+    stored_probe = index.get_json("probe") if index.read_only else index.get_or_set_json("probe", want)
     if stored_probe != want:
         diffs = [
             f"{k}: store has {stored_probe.get(k)!r}, config gives {want[k]!r}"

@@ -14,12 +14,14 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ..errors import StoreFormatError
+from ..errors import ImpressError, StoreFormatError
 from ..index.radix import RadixNode
 from ..index.sqlite import WAL_LIMIT, FileRecord
+from ..storage import FORMATS
 from ..storage.base import KV, PROBE, BlockKey
 from ..tiers import TierManager
 from .catalog import FILE_NAME, Catalog
+from .directory import dir_mode, ensure_dir
 from .leases import GRACE, LEASED, LeaseTable
 from .values import NodeValues
 
@@ -43,7 +45,10 @@ class GCCounters:
 class StoreGC:
     """Quarantine, orphan removal and the disk budget of one store."""
 
-    def __init__(self, catalog: Catalog, leases: LeaseTable, values: NodeValues, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, catalog: Catalog, leases: LeaseTable, values: NodeValues, clock: Callable[[], float], file_mode: int = 0o600
+    ) -> None:
+        self._file_mode = file_mode
         self._catalog = catalog
         self._leases = leases
         self._values = values
@@ -59,6 +64,9 @@ class StoreGC:
         """
         catalog = self._catalog
         removed: list[int] = []
+        if catalog.index.read_only:
+            self._forget_in_memory(file_id, reason)
+            return
         with catalog.lock:
             try:
                 with catalog.index.transaction() as conn:
@@ -87,11 +95,29 @@ class StoreGC:
             record.name if record else file_id, reason, len(removed),
         )
 
+    def _forget_in_memory(self, file_id: int, reason: str) -> None:
+        """Quarantine in a read-only store: this process stops using the file's nodes."""
+        catalog = self._catalog
+        removed: list[int] = []
+        with catalog.lock:
+            for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
+                if catalog.tree.get(top.id) is top:
+                    for node in catalog.tree.subtree(top):
+                        catalog.tree.remove(node)
+                        removed.append(node.id)
+            catalog.forget({file_id})
+            self._values.forget(removed)
+            self.counters.quarantined_files += 1
+        log.warning("read-only store: not using chunk file %s any more (%s)", file_id, reason)
+
     def _move_aside(self, name: str) -> None:
         root = self._catalog.root
         qdir = root / QUARANTINE_DIR
-        if not qdir.is_symlink():
-            qdir.mkdir(mode=0o700, exist_ok=True)
+        try:
+            ensure_dir(qdir, dir_mode(self._file_mode), "the quarantine folder")
+        except ImpressError as exc:
+            log.warning("%s; leaving %s in place", exc, name)
+            return
         if qdir.is_symlink() or not qdir.is_dir():
             log.warning("%s is not a directory of this store; leaving %s in place", qdir, name)
             return
@@ -115,6 +141,8 @@ class StoreGC:
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name
             ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
+            if ours and name in known and not entry.is_file(follow_symlinks=False):
+                continue  # an indexed file replaced by something else: quarantined when read
             if not ours or not entry.is_file(follow_symlinks=False):
                 foreign.append(name)
             elif name not in known:
@@ -127,8 +155,21 @@ class StoreGC:
                 "a store there. Move them away or choose another store directory."
             )
         for name in orphans:
-            log.info("removing unindexed file %s (left by an interrupted write)", name)
-            catalog.unlink(name)
+            if name.endswith(".tmp") or self._has_own_header(name):
+                log.info("removing unindexed file %s (left by an interrupted write)", name)
+                catalog.unlink(name)
+            else:  # named like ours but without our header: never deleted, moved aside
+                log.warning("unindexed file %s has no impress_cache header; moving it to %s/", name, QUARANTINE_DIR)
+                self._move_aside(name)
+
+    def _has_own_header(self, name: str) -> bool:
+        """Whether a chunk file's header says this store wrote it (its UUID is its name)."""
+        fmt = next((cls for cls in FORMATS.values() if name.endswith("." + cls.suffix)), None)
+        try:
+            meta = fmt().read_metadata(self._catalog.chunks / name) if fmt is not None else {}
+        except Exception:  # noqa: BLE001 - any unreadable header: not provably ours
+            return False
+        return "impress_cache" in meta and meta.get("uuid") == name[:32]
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:

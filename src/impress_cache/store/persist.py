@@ -91,11 +91,16 @@ class StatsKeeper:
             if self.closed:
                 return 0
             dirty, self._dirty = self._dirty, set()
+        # export everything first (each export decays its values to now), then take the
+        # wall clock once: the writes below may take a while, and a later ``saved_at``
+        # than the exports' time would count that while twice on reload
+        nodes = self._nodes.export()
+        importance = self._importance.export() if self._importance is not None else {}
+        blocks = self._tiers.export_stats(dirty) if dirty else {}
         saved_at = time.time()
-        self._index.save_node_stats(self._nodes.export(), saved_at)
-        if self._importance is not None:
-            self._index.save_importance(self._importance.export(), saved_at)
-        return self._index.save_block_stats(self._tiers.export_stats(dirty), saved_at) if dirty else 0
+        self._index.save_node_stats(nodes, saved_at)
+        self._index.save_importance(importance, saved_at)
+        return self._index.save_block_stats(blocks, saved_at)
 
     def _save_quietly(self) -> None:
         try:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import ImpressConfig
-from ..errors import ConfigError, StoreFormatError
+from ..errors import ConfigError, ImpressError, StoreFormatError
 from ..index.radix import Match, RadixTree, Segment, as_tokens
 from ..index.sqlite import FileRecord, Index
 from ..storage import FORMATS
@@ -46,6 +46,7 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
+from .directory import prepare
 from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
@@ -54,11 +55,15 @@ from .reorder import ImportanceStats
 from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
+from .warmup import warmup
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.sqlite"
+#: what `put_async` returns in a read-only store (nothing to wait for)
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 _MAX_INDEX_REPAIRS = 8
 
 
@@ -95,6 +100,11 @@ class ImpressStore:
         memory tiers' policy (recency, score decay, statistics' ages) and the grace
         period of matches. ``time.monotonic`` by default; simulations and tests inject
         their own.
+    read_only:
+        Serve from a store on a read-only volume or directory: nothing is written (new
+        prompts are not stored, block statistics stay in memory, a damaged file is only
+        forgotten by this process). Opening a store the process cannot write without
+        it raises `ReadOnlyStoreError` saying so.
 
     Notes
     -----
@@ -113,6 +123,7 @@ class ImpressStore:
         storage_format: str = "safetensors",
         *,
         clock: Callable[[], float] | None = None,
+        read_only: bool = False,
     ) -> None:
         self.config = config if config is not None else ImpressConfig()
         if not isinstance(self.config, ImpressConfig):
@@ -122,9 +133,10 @@ class ImpressStore:
         self.path = Path(path)
         self.model = model
         self.clock = clock if clock is not None else time.monotonic
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / CHUNK_DIR).mkdir(exist_ok=True)
-        index = Index(self.path / INDEX_NAME)
+        #: serve only: nothing is written (no prompts, statistics, quarantine or eviction on disk)
+        self.read_only = bool(read_only)
+        prepare(self.path, CHUNK_DIR, INDEX_NAME, self.config.file_mode, self.read_only)
+        index = Index(self.path / INDEX_NAME, read_only=self.read_only, file_mode=self.config.file_mode)
         try:
             self.spec, self.probe = (
                 recorded(index, self.path) if model is None else bind(index, model, self.config, self.path)
@@ -152,13 +164,13 @@ class ImpressStore:
             self.activity,
         )
         self._stats = StatsKeeper(
-            index, self.tiers, self._values, cfg.stats_interval_s, self._writer.background, self._importance
+            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background, self._importance
         )
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
             pin_host=torch.cuda.is_available(),
         )
-        self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock)
+        self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock, cfg.file_mode)
         self._reorder = Reordering(
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
@@ -167,9 +179,10 @@ class ImpressStore:
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
-        self._gc.remove_orphans()
+        if not self.read_only:
+            self._gc.remove_orphans()
         loaded = self._stats.load()
-        if cfg.reorg_idle_ms is not None and model is not None:
+        if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
         n_files = len(self._catalog.records)
         log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), n_files, loaded)
@@ -217,23 +230,27 @@ class ImpressStore:
         self.close()
 
     def close(self) -> None:
-        """Finish pending writes, save block statistics and release files. Safe to call twice."""
+        """Finish pending writes, save block statistics and release files; every step
+        runs even when one fails. Safe to call twice."""
         if self._closed:
             return
-        try:
-            self._reorder.reorganizer.stop()
-            self.flush()
-        finally:
-            self._writer.close()
-            self._leases.unlinker.close()
-            self.fetcher.shutdown(wait=True)
-            self.loader.shutdown(wait=True)
-            self.save_block_stats()
-            self._stats.closed = True
-            self._reader.close()
-            self._catalog.close()
-            self.index.close()
-            self._closed = True
+        self._closed = True
+        steps = (
+            self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._leases.unlinker.close,
+            lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
+            self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
+        )
+        failure: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # release the rest, then report the first failure
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _stats_closed(self) -> None:
+        self._stats.closed = True
 
     def flush(self) -> None:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
@@ -371,6 +388,8 @@ class ImpressStore:
         tokens not already stored are written.
         """
         self._check_open()
+        if self.read_only:
+            return _DONE
         return self._writer.submit(tokens, keys, values)
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -416,7 +435,7 @@ class ImpressStore:
         `StoreGC.enforce`.
         """
         self._check_open()
-        return self._gc.enforce(self.config.disk_bytes, protect)
+        return self._gc.enforce(None if self.read_only else self.config.disk_bytes, protect)
 
     def record_importance(
         self, segments: Sequence[Segment], importance: Any, blocks_touched: int = 0, rows_selected: int = 0
@@ -453,37 +472,23 @@ class ImpressStore:
     def save_block_stats(self) -> int:
         """Write the statistics of the blocks accessed since the last save to the index
         (runs on `flush`, on `close` and every ``config.stats_interval_s`` seconds).
-        Returns the number of block records written."""
+        Returns the number of block records written. A read-only store keeps them in
+        memory; a failure (disk full) is logged and the statistics are kept for later."""
+        if self.read_only:
+            return 0
         with self._catalog.lock:
-            return self._stats.save()
+            try:
+                return self._stats.save()
+            except (OSError, ImpressError) as exc:
+                log.warning("saving block statistics to %s failed: %s", self.path, exc)
+                return 0
 
     def warmup(self, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
-        """Pre-populate block statistics and the memory tiers from known prompts.
-
-        Each prompt (token ids: list, tuple, 1-D or ``[1, n]`` tensor; or a string with
-        ``tokenizer``) is matched and every K/V block of its stored prefix is read once
-        through `read_blocks` with the block's current average importance share, so the
-        blocks enter the memory tiers within their budgets and the policy has statistics
-        for them. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
-        ``bytes_read_disk``.
-        """
+        """Pre-populate block statistics and the memory tiers from known prompts; see
+        `warmup.warmup`. Returns ``prompts`` (matched), ``matched_tokens``, ``blocks`` and
+        ``bytes_read_disk``."""
         self._check_open()
-        summary = {"prompts": 0, "matched_tokens": 0, "blocks": 0, "bytes_read_disk": 0}
-        for prompt in prompts:
-            m = self.match(_as_tokens(prompt, tokenizer))
-            if m.length == 0:
-                continue
-            with self.lease([m]):
-                lay = self.layout(m.segments)
-                for layer in range(self.spec.num_layers):
-                    keys = sorted(set(lay.keys(range(len(lay.units)), KV, layer)))
-                    read = self.read_blocks(keys, [self.tiers.importance_share(k) for k in keys])
-                    summary["blocks"] += len(keys)
-                    summary["bytes_read_disk"] += read.stats.disk_bytes
-            summary["prompts"] += 1
-            summary["matched_tokens"] += m.length
-        log.info("warm-up: %s", summary)
-        return summary
+        return warmup(self, prompts, tokenizer)
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
@@ -551,17 +556,3 @@ def _model_device(model: torch.nn.Module | None) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
-
-
-def _as_tokens(prompt: Any, tokenizer: Any) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise TypeError("warmup got a string prompt; pass tokenizer=... or token ids")
-        return [int(t) for t in tokenizer(prompt)["input_ids"]]
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 2 and prompt.shape[0] == 1:
-            prompt = prompt[0]
-        if prompt.dim() != 1:
-            raise ValueError(f"warmup takes one prompt per item: 1-D or [1, n] token tensors, got shape {tuple(prompt.shape)}")
-        return [int(t) for t in prompt.tolist()]
-    return [int(t) for t in prompt]

@@ -28,6 +28,7 @@ import torch
 
 from .. import probe as probe_codec
 from ..config import ImpressConfig
+from ..errors import ImpressError
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
@@ -50,6 +51,8 @@ class WriteCounters:
     tokens_written: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
+    #: prompts not stored because the disk or the index refused the write (ENOSPC, EIO, a failed commit)
+    write_failures: int = 0
 
 
 #: called after a commit with the new file's id, its blocks per layer and the new leaf
@@ -83,6 +86,7 @@ class PromptWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-write")
         self._pending: list[Future[None]] = []
         self.counters = WriteCounters()
+        self._warned = False
 
     def submit(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
         arr = as_tokens(tokens).copy()
@@ -101,7 +105,9 @@ class PromptWriter:
             pass
 
     def flush(self) -> None:
-        """Block until every submitted prompt is written; re-raise the first failure."""
+        """Block until every submitted prompt is written or dropped. Writes the disk or
+        the index refused are counted (``write_failures``) and logged, not raised; any
+        other failure (a bug) is re-raised."""
         while True:
             with self._catalog.lock:
                 pending, self._pending = self._pending, []
@@ -119,6 +125,16 @@ class PromptWriter:
             self._activity.enter()
         try:
             self.write(tokens, keys, values)
+        except (OSError, ImpressError) as exc:  # disk full, I/O error, a failed commit
+            self.counters.write_failures += 1
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "storing a prompt of %d tokens failed, so it is not stored; the store is unchanged and "
+                    "keeps serving (later failures are logged at debug level): %s", len(tokens), exc,
+                )
+            else:
+                log.debug("storing a prompt of %d tokens failed: %s", len(tokens), exc)
         except Exception:
             log.exception("storing a prompt of %d tokens failed; the store is unchanged", len(tokens))
             raise
@@ -213,7 +229,10 @@ class PromptWriter:
             "impress_cache": FILE_FORMAT,
             "uuid": file_uuid.hex,
             "model": json.dumps(spec.to_dict(), sort_keys=True),
-            "probe": json.dumps({"kv_heads": list(self._probe.kv_heads), "encoding": self._probe.encoding}),
+            "probe": json.dumps({
+                "query_heads": list(self._probe.query_heads), "kv_heads": list(self._probe.kv_heads),
+                "encoding": self._probe.encoding,
+            }),
             "first_pos": str(m),
             "n_tokens": str(n),
             "chunk_tokens": str(ct),
@@ -226,6 +245,12 @@ class PromptWriter:
         catalog = self._catalog
         tmp = name + ".tmp"
         try:
+            # created here with the store's mode (the format then truncates and fills it)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=catalog.chunks_fd)
+            try:
+                os.fchmod(fd, self._config.file_mode)
+            finally:
+                os.close(fd)
             placed = self._fmt.write(catalog.chunks / tmp, blocks, meta, between)
             offsets = np.zeros((2, layers, nb), dtype=np.int64)
             for blk, off in zip(blocks, placed):

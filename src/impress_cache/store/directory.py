@@ -1,0 +1,102 @@
+"""The store directory: created with the store's permissions, checked before anything in
+it is opened, and refused when it is not the store's own.
+
+The store touches only what it created. The path given to `ImpressStore` may itself be a
+symbolic link (a mount point, say), but nothing the store keeps inside it may be one:
+``chunks/``, ``quarantine/`` and the index must be a real directory or regular file, or
+absent. Directories are created with ``dir_mode(config.file_mode)`` (``0o700`` by
+default) and files with ``config.file_mode`` (``0o600``), whatever the umask.
+
+A path the process cannot write (a read-only volume or directory) raises
+`ReadOnlyStoreError` saying how to open it read-only; a path that is a file, or a store
+whose parts are links or of the wrong kind, raises `StoreFormatError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
+
+#: errors that mean "this path cannot be written"
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def dir_mode(file_mode: int) -> int:
+    """A directory's bits for files of ``file_mode``: search wherever reading is allowed."""
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+def read_only_error(path: Path, what: str) -> ReadOnlyStoreError:
+    return ReadOnlyStoreError(
+        f"cannot write the store at {path} ({what}). A store on a read-only path can still serve: open it "
+        "with ImpressStore(path, model, config, read_only=True)"
+    )
+
+
+def kind_of(path: Path) -> str | None:
+    """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
+
+
+def ensure_dir(path: Path, mode: int, what: str) -> None:
+    """Create ``path`` (one level) with ``mode`` unless it is a real directory already."""
+    kind = kind_of(path)
+    if kind == "dir":
+        return
+    if kind is not None:
+        described = {"link": "a symbolic link", "file": "a file", "other": "not a directory"}[kind]
+        raise StoreFormatError(
+            f"{path} ({what}) is {described}; impress_cache only uses folders it created itself. "
+            "Remove it or choose another store directory."
+        )
+    try:
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # mkdir's mode is masked by the umask
+    except FileExistsError:
+        if kind_of(path) != "dir":  # another process created something else meanwhile
+            raise StoreFormatError(f"{path} ({what}) appeared while the store was created, and is not a directory")
+    except OSError as exc:
+        if exc.errno in _READ_ONLY:
+            raise read_only_error(path, str(exc)) from exc
+        raise StoreIOError(f"cannot create {path} ({what}): {exc}") from exc
+
+
+def prepare(path: Path, chunk_dir: str, index_name: str, file_mode: int, read_only: bool) -> None:
+    """Check (and unless ``read_only`` create) the store directory at ``path``."""
+    mode = dir_mode(file_mode)
+    if path.exists() and not path.is_dir():
+        raise StoreFormatError(f"{path} is a file, not a store directory; pass the path of a directory")
+    if read_only:
+        if not path.is_dir() or not (path / index_name).exists():
+            raise StoreFormatError(f"{path} holds no impress_cache store (no {index_name}); a read-only store cannot be created")
+        for name in (chunk_dir, index_name):
+            want = "dir" if name == chunk_dir else "file"
+            if kind_of(path / name) != want:
+                raise StoreFormatError(f"{path / name} is not the {'folder' if want == 'dir' else 'file'} this store keeps there")
+        return
+    if not path.exists():
+        parent = path.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY:
+                raise read_only_error(path, str(exc)) from exc
+            raise StoreIOError(f"cannot create {parent}: {exc}") from exc
+        ensure_dir(path, mode, "the store directory")
+    if not os.access(path, os.W_OK) or (
+        (path / index_name).exists() and not os.access(path / index_name, os.W_OK)
+    ):
+        raise read_only_error(path, "no write permission, or a read-only file system")
+    ensure_dir(path / chunk_dir, mode, "the chunk files' folder")

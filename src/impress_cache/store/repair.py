@@ -1,0 +1,154 @@
+"""Rebuilding a store's index from its chunk files (``impress-cache verify --repair``).
+
+Chunk files describe themselves (header version 3): the model and probe settings, the
+file's UUID, the whole token sequence up to its last row, the position of its first row,
+its rows per block, every block's checksum and, for a reordered file, its row
+permutation. The format gives each block's offset (`ChunkFormat.block_offsets`). The
+repair reads those headers, inserts the files in order of their first position (a file
+extends the prefix the files before it hold) into a new index, exactly as the writer
+commits a prompt, and replaces the old index with it. Files whose header cannot be read,
+that belong to another model or whose prefix no other file holds are moved to
+``quarantine/``. Then every block of every indexed file is read and verified; a file
+that fails is quarantined too. Run it while no process has the store open.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import probe as probe_codec
+from ..errors import ImpressError
+from ..index.sqlite import Index, NewFile
+from ..storage import FORMATS
+from ..storage.base import KV, PROBE, context_digest
+from .catalog import CHUNK_DIR, FILE_NAME, Catalog
+from .directory import dir_mode, ensure_dir
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = {cls.suffix: cls for cls in FORMATS.values()}
+
+
+def _array(meta: dict[str, str], key: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(meta[key]), dtype=dtype)
+
+
+def read_header(path: Path, fmt: Any, record_bytes: int) -> tuple[NewFile, np.ndarray, dict[str, Any], dict[str, Any]]:
+    """A chunk file's index record from its own header: ``(new file, whole token
+    sequence, model record, probe record)``. Raises ``ValueError``/``KeyError``/``OSError``
+    when the header is incomplete or inconsistent."""
+    meta = fmt.read_metadata(path)
+    if meta.get("impress_cache") != "3":
+        raise ValueError(f"header version {meta.get('impress_cache')!r}, not 3")
+    model, probe = json.loads(meta["model"]), json.loads(meta["probe"])
+    first, n, ct, layers = (int(meta[k]) for k in ("first_pos", "n_tokens", "chunk_tokens", "layers"))
+    seq = _array(meta, "tokens", "<i4")
+    nb = -(-n // ct)
+    if len(seq) != first + n or n < 1 or ct < 1 or layers != model["num_layers"] or meta["uuid"] != path.name[:32]:
+        raise ValueError("header fields disagree with each other or with the file name")
+    checksums = _array(meta, "checksums", "<u4").reshape(2, layers, nb)
+    perm = _array(meta, "perm", "<i4").reshape(layers, n) if "perm" in meta else None
+    placed = fmt.block_offsets(path)
+    offsets = np.zeros((2, layers, nb), dtype=np.int64)
+    for layer in range(layers):
+        for b in range(nb):
+            offsets[KV, layer, b] = placed[f"L{layer}.B{b}"]
+        offsets[PROBE, layer] = placed[f"P{layer}"] + np.arange(nb) * ct * record_bytes
+    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
+    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    nbytes = layers * n * (kv_row + record_bytes)
+    new = NewFile(
+        path.name, fmt.suffix, first, seq[first:].copy(), context_digest(seq[:first]), ct, layers, offsets, checksums,
+        nbytes, os.stat(path).st_size, perm,
+    )
+    return new, seq, model, probe
+
+
+def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
+    """Rebuild ``path``'s index from its chunk files; returns what was indexed and what
+    was quarantined (``files`` indexed, ``unused`` files whose rows other files hold,
+    ``nodes``, ``quarantined``: names and reasons)."""
+    path = Path(path)
+    chunks = path / CHUNK_DIR
+    model = probe = None
+    if (path / "index.sqlite").exists():
+        try:  # what the old index recorded, if it still can say
+            old = Index(path / "index.sqlite", read_only=True)
+            try:
+                model, probe = old.get_json("model"), old.get_json("probe")
+            finally:
+                old.close()
+        except ImpressError:  # a damaged index: the files' headers say what it held
+            model = probe = None
+    headers, bad = [], []
+    for entry in sorted(os.scandir(chunks), key=lambda e: e.name):
+        name = entry.name
+        if not FILE_NAME.match(name) or not entry.is_file(follow_symlinks=False):
+            if name.endswith(".tmp") and FILE_NAME.match(name[:-4]):
+                os.unlink(entry.path)  # a write that never finished
+            elif FILE_NAME.match(name):
+                bad.append((name, "not a regular file"))
+            continue
+        fmt = _SUFFIX[name.rsplit(".", 1)[1]]()
+        try:
+            meta_model = json.loads(fmt.read_metadata(Path(entry.path))["model"])
+            meta_probe = json.loads(fmt.read_metadata(Path(entry.path))["probe"])
+            model = model or meta_model
+            probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
+            if meta_model != model or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
+                k: probe[k] for k in ("kv_heads", "encoding")
+            }:
+                raise ValueError("written for another model or probe setting")
+            rb = probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
+            new, seq, _, _ = read_header(Path(entry.path), fmt, rb)
+            headers.append((new.first_pos, entry.stat().st_mtime, new, seq))
+        except Exception as exc:  # any damage of a header: the file cannot be indexed
+            bad.append((name, f"unreadable header ({type(exc).__name__}: {exc})"))
+    if model is None:
+        raise SystemExit(f"{path}: no chunk file has a readable header and the index records no model; nothing to repair")
+    if probe is not None and "query_heads" not in probe:  # older headers: the first query head of each group
+        group = model["num_attention_heads"] // model["num_kv_heads"]
+        probe = {"query_heads": [h * group for h in probe["kv_heads"]], **probe}
+    tmp = path / "index.sqlite.repair"
+    for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+        if p.exists():
+            p.unlink()
+    index = Index(tmp, file_mode=file_mode)
+    index.get_or_set_json("model", model)
+    index.get_or_set_json("probe", probe)
+    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
+    rb = probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
+    catalog = Catalog(path, index, (kv_row, rb), lambda ids, records: None)
+    indexed = 0
+    try:
+        for _, _, new, seq in sorted(headers, key=lambda h: (h[0], h[1])):
+            # None: its prefix is in no other file, or its rows are held already; left
+            # unindexed, the next open removes it
+            if catalog.commit_prompt(seq, new.first_pos, new) is not None:
+                indexed += 1
+        nodes = len(catalog.tree)
+    finally:
+        catalog.close()
+        index.close()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
+    os.replace(tmp, path / "index.sqlite")
+    qdir = path / "quarantine"
+    if bad:
+        ensure_dir(qdir, dir_mode(file_mode), "the quarantine folder")
+        for name, _ in bad:
+            try:
+                os.replace(chunks / name, qdir / name)
+            except OSError:
+                pass
+    for name, reason in bad:
+        log.warning("repair: quarantined %s (%s)", name, reason)
+    return {"files": indexed, "unused": len(headers) - indexed, "nodes": nodes, "quarantined": [{"file": n, "reason": r} for n, r in bad]}
