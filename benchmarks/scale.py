@@ -1,8 +1,8 @@
 """A full store stays fast: writes, eviction and requests at the disk budget, and what a
 large store costs to open and to hold in memory.
 
-    python benchmarks/scale.py --out results/scale.json --plot docs/img/scale.png  # ~15 min
-    python benchmarks/scale.py --quick --out /tmp/scale-quick.json
+    python benchmarks/scale.py --out results/scale.json --plot docs/img/scale.png  # 4-15 min
+    python benchmarks/scale.py --quick --out /tmp/scale-quick.json                 # ~1 min
 
 One store grows through ``--sizes`` prompts (default 1,000, 10,000 and 50,000; quick:
 300, 1,000 and 3,000). Every prompt is one of 50 system prompts (120 tokens) followed by
