@@ -27,6 +27,13 @@ from impress_cache import ConfigError, ImpressConfig, ImpressStore
         ({"fsync": "yes"}, "fsync"),
         ({"probe_dtype": "int2"}, "probe_dtype"),
         ({"selection": "h20"}, "selection"),
+        ({"refresh_new_tokens": 1}, "refresh_new_tokens"),
+        ({"guard_margin": -0.1}, "guard_margin"),
+        ({"guard_margin": float("nan")}, "guard_margin"),
+        ({"guard_margin": "1"}, "guard_margin"),
+        ({"guard_margin": True}, "guard_margin"),
+        ({"keep_sinks": -1}, "keep_sinks"),
+        ({"keep_recent": 1.5}, "keep_recent"),
     ],
 )
 def test_config_out_of_range(kwargs, field):

@@ -28,7 +28,12 @@ class RequestStats:
     blocks, including alignment gaps inside merged reads); with ``important_ratio < 1``
     it splits into ``bytes_read_probe`` (probe-key copies, before the prefill),
     ``bytes_read_rows`` (K/V blocks read during the prefill) and ``bytes_read_decode``
-    (the rest of the prefix, read after the prefill when ``decode="full"``).
+    (the rest of the prefix, read after the prefill when ``decode="full"``), or
+    ``bytes_read_guard`` when the uncertainty guard read that rest before the first
+    token (``guard_triggered`` counts those requests; ``first_token_margin`` is the
+    smallest top-1/top-2 logit gap after a sparse prefill).
+    ``refreshed_tokens`` counts new tokens whose K/V were computed again against the
+    whole prefix (``refresh_new_tokens``), in ``refresh_seconds``.
     ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
     (summed over batch rows). ``bytes_unattended_rows`` is the part of the K/V blocks
     read from disk for the prefill that no attention head attends to (from each block's
@@ -63,6 +68,11 @@ class RequestStats:
     bytes_read_probe: int = 0
     bytes_read_rows: int = 0
     bytes_read_decode: int = 0
+    bytes_read_guard: int = 0
+    refreshed_tokens: int = 0
+    refresh_seconds: float = 0.0
+    guard_triggered: int = 0
+    first_token_margin: float | None = None
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0
     match_seconds: float = 0.0

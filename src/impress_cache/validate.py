@@ -43,6 +43,13 @@ def check_unit(name: str, value: Any, *, open_low: bool = False) -> float:
     return v
 
 
+def check_number(name: str, value: Any, lo: float, hi: float) -> float:
+    """A finite number in ``[lo, hi]``."""
+    if not is_number(value) or not lo <= float(value) <= hi:
+        raise ConfigError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
 def check_seconds(name: str, value: Any) -> float | None:
     """``None`` or a positive number of seconds (``math.inf`` allowed)."""
     if value is None:

@@ -119,17 +119,22 @@ def test_reorder_and_select_after_generate_act_on_the_held_rows(stored):
     assert all(torch.equal(la.keys, k[[1]]) for la, k in zip(cache.layers, keys))
 
 
-def test_sparse_beam_search_restores_the_whole_prefix_in_beam_order(tmp_path):
+@pytest.mark.parametrize("guard_margin", [0.0, 100.0], ids=["after-prefill", "guard"])
+def test_sparse_beam_search_restores_the_whole_prefix_in_beam_order(tmp_path, guard_margin):
     model = tiny_model("llama")
     doc = _tokens(5, 256)
     store_dense(tmp_path, model, doc.unsqueeze(0))
     q = torch.cat([doc, _tokens(6, 10)]).unsqueeze(0)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="full")
+    cfg = ImpressConfig(
+        chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="full", guard_margin=guard_margin
+    )
     with ImpressStore(tmp_path, model, cfg) as store, torch.no_grad():
         cache = ImpressCache(store)
         out = model.generate(q, num_beams=2, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
         assert out.shape == (1, q.shape[1] + 4)
-        assert cache.stats.bytes_read_decode > 0 and all(la.hidden == 0 for la in cache.layers)
+        read = cache.stats.bytes_read_guard if guard_margin else cache.stats.bytes_read_decode
+        assert read > 0 and cache.stats.guard_triggered == (guard_margin > 0)
+        assert all(la.hidden == 0 for la in cache.layers)
         assert cache.get_seq_length() == q.shape[1] + 3
         # a row operation before the sparse prefill maps the batch onto the planned rows
         early = ImpressCache(store, q)

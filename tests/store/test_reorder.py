@@ -46,7 +46,7 @@ def kv_of(tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def cfg(**kw) -> ImpressConfig:
-    base = dict(chunk_tokens=4, fsync=False, reorg_idle_ms=None, device_bytes=0, host_bytes=0)
+    base = dict(chunk_tokens=4, important_ratio=0.25, fsync=False, reorg_idle_ms=None, device_bytes=0, host_bytes=0)
     return ImpressConfig(**{**base, **kw})
 
 

@@ -204,7 +204,7 @@ def test_full_decode_reads_count_as_unimportant_accesses(tmp_path, model):
     with ImpressStore(tmp_path, model, _cfg()) as store:
         assert_same_as_uncached(model, store, doc, new_tokens=3)
         all_keys = _kv_keys(store, doc[0].tolist())
-    cfg = _cfg(important_ratio=0.1, similarity_threshold=0.0, decode="full")
+    cfg = _cfg(important_ratio=0.1, similarity_threshold=0.0, decode="full", guard_margin=0.0)
     with ImpressStore(tmp_path, model, cfg) as store:
         cache, s = _request(model, store, torch.cat([doc, _tok(9, 10)], dim=1), 3)
         # every block of the prefix was accessed once: selected ones in the prefill,

@@ -31,6 +31,7 @@ from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
+from .refresh import recompute_new_tokens
 from .request import PrefixRequest
 
 
@@ -104,11 +105,22 @@ class ImpressLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() - self.hidden + query_length, self.hidden
 
-    def restore_prefix(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the held prefix rows by the whole prefix (``decode="full"``)."""
+    def restore_prefix(
+        self, keys: torch.Tensor, values: torch.Tensor, new: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Replace the held prefix rows by the whole prefix (``decode="full"``) and, with
+        ``new``, the rows after it by those keys and values (the new tokens recomputed
+        against the whole prefix)."""
         held = self._prefix_len - self.hidden
-        self.keys = torch.cat([keys.to(self.keys.device, self.keys.dtype), self.keys[:, :, held:]], dim=-2)
-        self.values = torch.cat([values.to(self.values.device, self.values.dtype), self.values[:, :, held:]], dim=-2)
+        dev, dt = self.keys.device, self.keys.dtype
+        ks, vs = [keys.to(dev, dt)], [values.to(dev, dt)]
+        after = held
+        if new is not None:
+            ks.append(new[0].to(dev, dt))
+            vs.append(new[1].to(dev, dt))
+            after += new[0].shape[-2]
+        self.keys = torch.cat([*ks, self.keys[:, :, after:]], dim=-2)
+        self.values = torch.cat([*vs, self.values[:, :, after:]], dim=-2)
         self.hidden = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -190,6 +202,8 @@ class ImpressCache(Cache):
         #: rows of the whole prefix read in the background (``decode="full"``), in the
         #: batch's current order; None while no such read is pending
         self._restore_rows: torch.Tensor | None = None
+        #: the uncertainty guard looks at the logits of the forward that ends the prefill
+        self._guard_pending = False
         super().__init__(layers=[ImpressLayer() for _ in range(store.spec.num_layers)])
         install_hooks(store.model, ImpressCache)
         if input_ids is not None:
@@ -284,11 +298,50 @@ class ImpressCache(Cache):
         if req.prefill_started is None:
             req.prefill_started = time.perf_counter()
         if self._guard.check_forward(input_ids, attention_mask, self.expand) and req.full_pending:
-            keys, values = req.take_full_prefix()
-            rows = self._restore_rows
-            self._restore_rows = None
-            for i, layer in enumerate(self.layers):
-                layer.restore_prefix(keys[i][rows], values[i][rows])
+            self._restore_full(req, self.store.config.refresh_new_tokens, False)
+
+    def _restore_full(self, req: PrefixRequest, refresh: bool, guard: bool) -> torch.Tensor | None:
+        """Restore the whole prefix read in the background (``decode="full"``); with
+        ``refresh``, recompute the new tokens against it. Returns the recomputed logits
+        after the prompt (``None`` without ``refresh``)."""
+        keys, values = req.take_full_prefix(before_first_token=guard)
+        rows = self._restore_rows
+        self._restore_rows = None
+        prefix = [(keys[i][rows], values[i][rows]) for i in range(len(self.layers))]
+        new: list[Any] = [None] * len(self.layers)
+        logits = None
+        if refresh:
+            t0 = time.perf_counter()
+            dtype = self.layers[0].keys.dtype
+            new, logits = recompute_new_tokens(self.store.model, req.ids, req.mask, req.reused, prefix, dtype)  # type: ignore[assignment]
+            req.stats.refreshed_tokens += int(req.mask[:, req.reused :].sum())
+            req.stats.refresh_seconds += time.perf_counter() - t0
+        for layer, (k, v), n in zip(self.layers, prefix, new):
+            layer.restore_prefix(k, v, n)
+        return logits
+
+    def after_forward(self, output: Any) -> None:
+        """After a model forward with this cache: right after a sparse prefill, note the
+        smallest top-1/top-2 logit gap of its last position, and run the uncertainty
+        guard. When the gap is below ``guard_margin`` (``decode="full"``), the whole
+        prefix is restored and the new tokens recomputed now, and the exact logits
+        replace the sparse ones before ``generate`` picks the first token."""
+        if not self._guard_pending:
+            return
+        self._guard_pending = False
+        logits = getattr(output, "logits", None)
+        req = self._request
+        if not isinstance(logits, torch.Tensor) or req is None or logits.shape[-1] < 2:
+            return
+        top2 = logits[:, -1].float().topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1]).min())
+        req.stats.first_token_margin = margin
+        if margin >= self.store.config.guard_margin or not req.full_pending:
+            return
+        req.stats.guard_triggered += 1
+        exact = self._restore_full(req, True, True)
+        assert exact is not None
+        logits[:, -1] = exact.to(logits.device, logits.dtype)
 
     # -- the cache protocol --------------------------------------------------------------
     def update(
@@ -314,6 +367,7 @@ class ImpressCache(Cache):
         ):
             self._written = True
             req.finish_prefill([la.keys for la in self.layers], [la.values for la in self.layers], self.store_prompt)
+            self._guard_pending = req.sparse is not None
             if req.full_pending:
                 self._restore_rows = torch.arange(req.ids.shape[0])
         return keys, values

@@ -20,7 +20,8 @@ cache, ``inputs_embeds``, assisted decoding) runs as if the hooks were not there
   after the reused prefix (``next_sequence_length``, which both 5.23 and 5.24 pass);
 * a forward pre-hook on the model checks that every forward runs the next expected
   tokens of the cache's prompt (`PromptGuard.check_forward`), and binds an unbound
-  cache to a plain forward's input;
+  cache to a plain forward's input; a forward hook hands the output to the cache (the
+  uncertainty guard may replace the prefill's last logits);
 * on every attention module with a ``q_proj``, a pre-hook notes the rotary
   ``position_embeddings`` when a sparse prefill needs the layer's queries, and a forward
   hook on the module producing the queries (``q_norm`` where the architecture has one,
@@ -68,6 +69,7 @@ def install_hooks(model: torch.nn.Module, cache_type: type) -> None:
             return
         done = _Installed()
         done.handles.append(model.register_forward_pre_hook(_model_pre_hook(cache_type), with_kwargs=True))
+        done.handles.append(model.register_forward_hook(_model_post_hook(cache_type), with_kwargs=True))
         done.handles.extend(_install_query_capture(model, cache_type))
         model.prepare_inputs_for_generation = _prepare_wrapper(model.prepare_inputs_for_generation, cache_type)
         model.generate = _generate_wrapper(model, model.generate, cache_type)
@@ -175,6 +177,15 @@ def _model_pre_hook(cache_type: type) -> Callable[..., None]:
             cache.check_forward(ids, kwargs.get("attention_mask"))
 
     return pre_forward
+
+
+def _model_post_hook(cache_type: type) -> Callable[..., None]:
+    def post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        cache = cache_argument(kwargs)
+        if isinstance(cache, cache_type):
+            cache.after_forward(output)
+
+    return post_forward
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

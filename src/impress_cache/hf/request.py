@@ -201,8 +201,10 @@ class PrefixRequest:
     def full_pending(self) -> bool:
         return self._full is not None
 
-    def take_full_prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the background read of the whole prefix (``decode="full"``)."""
+    def take_full_prefix(self, before_first_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the background read of the whole prefix (``decode="full"``); its
+        bytes count as ``bytes_read_guard`` when the uncertainty guard needs it
+        ``before_first_token``, else as ``bytes_read_decode``."""
         assert self._full is not None and self.sparse is not None
         fut, self._full = self._full, None
         try:
@@ -216,7 +218,10 @@ class PrefixRequest:
             nbytes = blocks = 0
         finally:
             self.release_lease()
-        self.stats.bytes_read_decode += nbytes
+        if before_first_token:
+            self.stats.bytes_read_guard += nbytes
+        else:
+            self.stats.bytes_read_decode += nbytes
         self.stats.bytes_read_disk += nbytes
         self.stats.blocks_read += blocks
         self.sparse.memo.clear()

@@ -178,6 +178,7 @@ class SparsePrefill:
             alpha=cfg.similarity_alpha,
             fixed_threshold=cfg.similarity_threshold,
             seed=layer_idx,
+            keep=(cfg.keep_sinks, cfg.keep_recent),
         )
 
     def _read_units(

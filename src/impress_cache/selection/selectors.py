@@ -89,6 +89,15 @@ def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def kept_rows(p: int, sinks: int, recent: int) -> torch.Tensor | None:
+    """The rows of a ``p``-row prefix always kept: the first ``sinks`` and the last
+    ``recent`` (``None``: none)."""
+    sinks, recent = min(sinks, p), min(recent, p)
+    if sinks + recent == 0:
+        return None
+    return torch.unique(torch.cat([torch.arange(sinks), torch.arange(p - recent, p)]))
+
+
 def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
     """Every unit of the layer: the units, their blocks and the prefix's keys ``[H, P, D]``."""
     units = layout.units_all()
@@ -109,6 +118,7 @@ def select_row(
     alpha: float = 0.6,
     fixed_threshold: float | None = None,
     seed: int = 0,
+    keep: tuple[int, int] = (0, 0),
 ) -> RowSelection:
     """Select and load ``k`` prefix rows of one layer for one batch row.
 
@@ -138,6 +148,9 @@ def select_row(
         Threshold ``t = j ** alpha`` unless ``fixed_threshold`` is given.
     seed:
         Seed of the ``"random"`` baseline (the cache passes the layer index).
+    keep:
+        ``(sinks, recent)``: the first ``sinks`` and last ``recent`` rows are always
+        selected (they rank above every scored row; they count against ``k``).
     """
     if mode in BASELINES:
         from .baselines import select_baseline
@@ -158,6 +171,13 @@ def select_row(
     similarity = float(mean_pairwise_jaccard(topk_indices(scores.unsqueeze(0), k))[0])
     combined = normalised_sum(scores)
     importance = top_mask(combined, k)
+    forced = kept_rows(p, *keep)
+    if forced is not None:
+        # above every scored row (a row's score is at most the number of new tokens x heads)
+        scores = scores.clone()
+        scores[:, forced] += 1e9
+        combined = combined.clone()
+        combined[forced] += 1e9
 
     if similarity >= threshold:
         if mode == "block":
