@@ -236,7 +236,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = Prompts()
     root = Path(tempfile.mkdtemp(prefix="impress-scale-", dir=args.dir))
     path = root / "store"
-    cfg = ImpressConfig(reorg_idle_ms=None, fsync=not args.no_fsync)  # the store's (mutable) config
+    # the request settings of results/scale.json (the library defaults of its day): sparse
+    # prefill of 25% of the rows, the rest read after it, no re-computation of new tokens
+    cfg = ImpressConfig(  # the store's (mutable) config
+        reorg_idle_ms=None, fsync=not args.no_fsync, important_ratio=0.25, prefetch=True,
+        refresh_new_tokens=False, guard_margin=0.0,
+    )
     grow_cfg = ImpressConfig(reorg_idle_ms=None, fsync=not args.no_fsync)
     results: list[dict[str, Any]] = []
     written = 0
