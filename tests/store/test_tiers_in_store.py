@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import impress_cache.store.gc as gc_mod
 import impress_cache.store.leases as leases_mod
 from conftest import VOCAB, tiny_model
 from helpers import assert_same_as_uncached, run, store_dense
@@ -288,19 +289,37 @@ def test_store_uses_the_configured_policy(tmp_path, model, name, cls):
 
 
 # ------------------------------------------------------------------- disk budget
+@pytest.fixture
+def lean_wal(monkeypatch):
+    """The disk budget checkpoints the index's WAL on every call, so the index takes
+    about the same room in every store of these tests (a few pages per prompt)."""
+    monkeypatch.setattr(gc_mod, "wal_bound", lambda budget: 0)
+
+
 def _file_bytes(tmp_path, model) -> int:
-    """Size of the chunk file of one 64-token prompt (probe copy included)."""
+    """Room one 64-token prompt takes: its chunk file (probe copy included) plus a margin
+    for the index rows it adds. Budgets are `_budget(k, size)`: the index and WAL of a
+    small store plus ``k`` prompts."""
     probe = tmp_path / "probe"
     with ImpressStore(probe, model, _cfg()) as store:
         assert_same_as_uncached(model, store, _tok(999, 64), new_tokens=3)
-        return store.disk_bytes()
+        store.index.checkpoint()
+        _INDEX_BYTES[0] = store.index.footprint()
+        return store._catalog.chunk_bytes
+
+
+_INDEX_BYTES = [0]
+
+
+def _budget(k: float, size: int) -> int:
+    return _INDEX_BYTES[0] + int(k * size)
 
 
 @pytest.mark.parametrize("policy", ["score", "lru", "lfu"])
-def test_disk_budget_removes_the_least_valuable_prefix(tmp_path, model, policy, no_grace):
+def test_disk_budget_removes_the_least_valuable_prefix(tmp_path, model, policy, no_grace, lean_wal):
     size = _file_bytes(tmp_path, model)
     a, b, c, d = (_tok(30 + i, 64) for i in range(4))
-    cfg = _cfg(policy=policy, disk_bytes=int(3.5 * size))
+    cfg = _cfg(policy=policy, disk_bytes=_budget(3.5, size))
     with ImpressStore(tmp_path / "s", model, cfg) as store:
         for doc in (a, b, c):
             assert_same_as_uncached(model, store, doc, new_tokens=3)
@@ -330,10 +349,10 @@ def test_disk_budget_removes_the_least_valuable_prefix(tmp_path, model, policy, 
         assert cache.stats.matched_tokens >= 64
 
 
-def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, caplog):
+def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, lean_wal, caplog):
     size = _file_bytes(tmp_path, model)
     a, b, d = (_tok(50 + i, 64) for i in range(3))
-    cfg = _cfg(disk_bytes=int(2.5 * size))
+    cfg = _cfg(disk_bytes=_budget(2.5, size))
     with ImpressStore(tmp_path / "s", model, cfg) as store:
         assert_same_as_uncached(model, store, a, new_tokens=3)
         assert_same_as_uncached(model, store, b, new_tokens=3)
@@ -350,7 +369,7 @@ def test_disk_budget_never_removes_a_prefix_in_use(tmp_path, model, no_grace, ca
         held.release()
         for seed in (63, 64):
             _reuse(model, store, torch.cat([d, _tok(seed, 4)], dim=1))
-        store.config.disk_bytes = int(1.5 * size)
+        store.config.disk_bytes = _budget(1.5, size)
         store.enforce_disk_budget()
         assert store.match(b[0].tolist()).length == 0
         assert store.match(d[0].tolist()).length == 64
@@ -380,7 +399,7 @@ def test_a_cache_holds_its_prefix_only_while_it_needs_the_disk(tmp_path, model, 
         assert cache.get_seq_length() == q.shape[1] + 2
 
 
-def test_disk_budget_keeps_files_that_other_nodes_still_use(tmp_path, model, no_grace):
+def test_disk_budget_keeps_files_that_other_nodes_still_use(tmp_path, model, no_grace, lean_wal):
     """After a split two nodes share a file: it is only deleted with its last node."""
     common, tail1, tail2 = _tok(70, 48), _tok(71, 32), _tok(72, 32)
     p1 = torch.cat([common, tail1], dim=1)
@@ -390,6 +409,7 @@ def test_disk_budget_keeps_files_that_other_nodes_still_use(tmp_path, model, no_
         assert_same_as_uncached(model, store, p2, new_tokens=3)  # splits p1's node after 48 tokens
         _reuse(model, store, torch.cat([p2, _tok(73, 3)], dim=1))  # p2 valuable
         assert len(store.tree) == 3 and len(store.index.files()) == 2
+        store.index.checkpoint()
         total = store.disk_bytes()
         store.config.disk_bytes = total - 1
         result = store.enforce_disk_budget()
@@ -407,17 +427,17 @@ def test_disk_budget_keeps_files_that_other_nodes_still_use(tmp_path, model, no_
                 _reuse(model, store, torch.cat([m[:, :got], _tok(74, 3)], dim=1))
 
 
-def test_reused_file_ids_never_serve_stale_blocks(tmp_path, model, no_grace):
+def test_reused_file_ids_never_serve_stale_blocks(tmp_path, model, no_grace, lean_wal):
     size = _file_bytes(tmp_path, model)
     a, b = _tok(80, 64), _tok(81, 64)
-    with ImpressStore(tmp_path / "s", model, _cfg(disk_bytes=int(1.5 * size))) as store:
+    with ImpressStore(tmp_path / "s", model, _cfg(disk_bytes=_budget(1.5, size))) as store:
         assert_same_as_uncached(model, store, a, new_tokens=3)
         _reuse(model, store, torch.cat([a, _tok(90, 3)], dim=1))  # a's blocks in memory
         ids_a = {f.id for f in store.index.files()}
         store.config.disk_bytes = 1
         store.enforce_disk_budget()
         assert store.index.files() == [] and len(store.tiers) == 0
-        store.config.disk_bytes = int(1.5 * size)
+        store.config.disk_bytes = _budget(1.5, size)
         assert_same_as_uncached(model, store, b, new_tokens=3)
         assert not {f.id for f in store.index.files()} & ids_a  # ids are never used twice
         cache = _reuse(model, store, torch.cat([b, _tok(91, 3)], dim=1))

@@ -28,7 +28,7 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.dtype != np.int32:
         arr = arr.astype(np.int32)
-    return arr.reshape(-1)
+    return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
 class RadixNode:

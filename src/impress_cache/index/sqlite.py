@@ -13,6 +13,7 @@ is a run of a file's rows (its tokens are that file's tokens, not a copy).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sqlite3
@@ -33,6 +34,8 @@ from ..storage.base import BlockKey
 from .radix import RadixTree
 
 SCHEMA_VERSION = "3"
+#: bytes the WAL keeps after a checkpoint that emptied it (``PRAGMA journal_size_limit``)
+WAL_LIMIT = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -101,7 +104,7 @@ _FILE_COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRecord:
     """One chunk file as the index records it (without its block table)."""
 
@@ -115,7 +118,8 @@ class FileRecord:
     layers: int
     #: bytes of the blocks (K/V and probe pieces)
     nbytes: int
-    #: size of the file on disk (header and padding included)
+    #: bytes the file takes on disk (header, padding and the file system's block
+    #: rounding included: the larger of its size and its allocated blocks)
     file_bytes: int
     #: token ids of the file's rows (``int32 [n_tokens]``)
     tokens: np.ndarray
@@ -189,6 +193,8 @@ class Index:
                 else:
                     self._conn.execute("PRAGMA journal_mode=WAL")
                     self._conn.execute("PRAGMA synchronous=FULL")
+                    # a checkpoint that empties the WAL also shrinks it to this size
+                    self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                     with self.transaction() as conn:
                         version = self._check_version(conn)
                         for statement in _SCHEMA.split(";"):
@@ -252,11 +258,25 @@ class Index:
 
     # -- transactions ----------------------------------------------------------------
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A failed
-        ``COMMIT`` (disk full, I/O error) is rolled back and raised as `StoreIOError`."""
+        ``COMMIT`` (disk full, I/O error) is rolled back and raised as `StoreIOError`. A
+        transaction that is not ``durable`` commits without waiting for the disk
+        (``synchronous=NORMAL``: atomic, but a power cut may undo it)."""
         if self.read_only:
             raise ReadOnlyStoreError(f"the store of {self.path} is open read-only; it writes nothing")
+        with self._lock:
+            if not durable:
+                self._conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                with self._transaction() as conn:
+                    yield conn
+            finally:
+                if not durable:
+                    self._conn.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             try:
                 if self._conn.in_transaction:
@@ -374,6 +394,35 @@ class Index:
         rows = conn.execute("SELECT id FROM files WHERE id NOT IN (SELECT DISTINCT file_id FROM nodes)").fetchall()
         return [r[0] for r in rows]
 
+    def file_referenced(self, conn: sqlite3.Connection, file_id: int) -> bool:
+        """Whether any node still points at ``file_id`` (an indexed lookup)."""
+        return conn.execute("SELECT 1 FROM nodes WHERE file_id=? LIMIT 1", (file_id,)).fetchone() is not None
+
+    def footprint(self) -> int:
+        """Bytes the index, its WAL and shared-memory file take on disk (as ``du``)."""
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                st = os.stat(f"{self.path}{suffix}")
+            except FileNotFoundError:
+                continue
+            total += max(st.st_size, st.st_blocks * 512)
+        return total
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(f"{self.path}-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    def checkpoint(self) -> bool:
+        """``wal_checkpoint(TRUNCATE)``; False when another process's reader kept it from finishing."""
+        if self.read_only:
+            return False
+        with self._lock:
+            busy = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        return not busy
+
     def total_bytes(self) -> int:
         """Bytes of the chunk files the index references, as they are on disk."""
         with self._lock:
@@ -400,7 +449,18 @@ class Index:
 
     def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
         """Rebuild the radix tree from the node table; node tokens are views of their
-        files' token arrays. Returns the tree and the file records by id."""
+        files' token arrays (the blob wrapped, not converted). Returns the tree and the
+        file records by id. The cyclic garbage collector is paused meanwhile (the load
+        makes a few objects per node and no garbage; collections would walk them all)."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load_tree()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
         with self._lock:
             rows = self._conn.execute(
                 "SELECT id, parent, file_id, file_row, length, terminal FROM nodes ORDER BY id"
@@ -422,7 +482,8 @@ class Index:
                         + ("is not indexed" if f is None else f"has {f.n_tokens} rows")
                         + ". Rebuild the index with `impress-cache verify --repair`."
                     )
-                tree.add_child(parent, f.tokens[file_row : file_row + length], file_id, file_row, node_id, terminal)
+                tokens = f.tokens if file_row == 0 and length == f.n_tokens else f.tokens[file_row : file_row + length]
+                tree.add_child(parent, tokens, file_id, file_row, node_id, terminal)
                 stack.append(node_id)
         if pending:
             orphans = sum(len(v) for v in pending.values())

@@ -50,6 +50,13 @@ class OpenFile:
     perm: np.ndarray | None = None
 
 
+def _dir_blocks(path: Path) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
 class Catalog:
     """Radix tree + index + file table of one store directory."""
 
@@ -58,8 +65,9 @@ class Catalog:
         root: Path,
         index: Index,
         row_bytes: tuple[int, int],
-        on_forget: Callable[[set[int]], None],
+        on_forget: Callable[[set[int], dict[int, FileRecord]], None],
         on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
+        on_leaves: Callable[[Iterable[int], bool], None] = lambda ids, reset: None,
     ) -> None:
         self.root = root
         self.chunks = root / CHUNK_DIR
@@ -68,11 +76,34 @@ class Catalog:
         self._row_bytes = row_bytes
         self._on_forget = on_forget
         self._on_split = on_split
+        #: told the ids of nodes that may have become leaves (``reset``: the tree was
+        #: reloaded and these are all its leaves)
+        self._on_leaves = on_leaves
         self._open: dict[int, OpenFile] = {}
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.tree: RadixTree
-        self.records: dict[int, FileRecord]
-        self.tree, self.records = index.load_tree()
+        self.records: dict[int, FileRecord] = {}
+        #: bytes the indexed chunk files take on disk (sum of their records' ``file_bytes``)
+        self.chunk_bytes = 0
+        self._load()
+
+    def _load(self) -> None:
+        self.tree, records = self.index.load_tree()
+        self.records = records
+        self.chunk_bytes = sum(r.file_bytes for r in records.values())
+        self._on_leaves([n.id for n in self.tree.nodes() if not n.children], True)
+
+    def _add_record(self, record: FileRecord) -> None:
+        old = self.records.get(record.id)
+        if old is not None:
+            self.chunk_bytes -= old.file_bytes
+        self.records[record.id] = record
+        self.chunk_bytes += record.file_bytes
+
+    def _drop_record(self, file_id: int) -> None:
+        old = self.records.pop(file_id, None)
+        if old is not None:
+            self.chunk_bytes -= old.file_bytes
 
     def close(self) -> None:
         with self.lock:
@@ -118,7 +149,7 @@ class Catalog:
     def reload_tree(self) -> None:
         """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
-            self.tree, self.records = self.index.load_tree()
+            self._load()
             self.forget(set(self._open) - set(self.records))
 
     def commit_prompt(
@@ -167,7 +198,7 @@ class Catalog:
                 record = self.index.file(file_id) if new_file is not None else None
             # committed: now the tree follows
             if record is not None:
-                self.records[file_id] = record
+                self._add_record(record)
             parent = plan.parent
             if plan.split is not None:
                 old, k = plan.split
@@ -194,6 +225,16 @@ class Catalog:
         replaced meanwhile, by this or another process); the caller then deletes the
         new file."""
         with self.lock:
+            try:
+                return self._replace_node(node, new_file)
+            except BaseException:
+                self.reload_tree()
+                raise
+
+    def _replace_node(
+        self, node: RadixNode, new_file: NewFile
+    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
+        with self.lock:
             with self.index.transaction() as conn:
                 self.refresh()  # under the write lock: nobody commits between this and ours
                 current = self.tree.get(node.id)
@@ -210,9 +251,7 @@ class Catalog:
                 dropped = self.drop_unreferenced_files(conn)
                 record = self.index.file(file_id)
             assert record is not None
-            self.records[file_id] = record
-            for rec in dropped:
-                self.records.pop(rec.id, None)
+            self._add_record(record)
             new = self.tree.replace(node, new_id, file_id, 0)
             return file_id, new, dropped
 
@@ -222,6 +261,9 @@ class Catalog:
         Callers reload the tree if the transaction then fails."""
         self.index.delete_node(conn, node.id)  # type: ignore[arg-type]
         self.tree.remove(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None and not parent.children:
+            self._on_leaves((parent.id,), False)
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
@@ -279,8 +321,10 @@ class Catalog:
         record = self.records.get(file_id)
         return record.chunk_tokens if record is not None else self.open_file(file_id).record.chunk_tokens
 
-    def forget(self, file_ids: Iterable[int]) -> None:
-        """Drop everything this process knows about files (deleted or replaced)."""
+    def forget(self, file_ids: Iterable[int], records: Iterable[FileRecord] = ()) -> None:
+        """Drop everything this process knows about files (deleted or replaced);
+        ``records`` (of some of them) tell ``on_forget`` their shapes, so it can name
+        their blocks instead of searching for them."""
         ids = set(file_ids)
         if not ids:
             return
@@ -289,7 +333,7 @@ class Catalog:
                 f = self._open.pop(fid, None)
                 if f is not None and f.fd is not None:
                     os.close(f.fd)
-            self._on_forget(ids)
+            self._on_forget(ids, {r.id: r for r in records if r.id in ids})
 
     def drop_unreferenced_files(self, conn: object) -> list[FileRecord]:
         """Delete from the index the files no node references; return their records.
@@ -301,9 +345,25 @@ class Catalog:
         for fid in self.index.unreferenced_files(conn):  # type: ignore[arg-type]
             rec = self.records.get(fid) or self.index.file(fid)
             self.index.delete_file(conn, fid)  # type: ignore[arg-type]
+            self._drop_record(fid)
             if rec is not None:
                 dropped.append(rec)
         return dropped
+
+    def drop_file_if_unreferenced(self, conn: object, file_id: int) -> FileRecord | None:
+        """`drop_unreferenced_files` for one file (an indexed lookup, not a scan)."""
+        if self.index.file_referenced(conn, file_id):  # type: ignore[arg-type]
+            return None
+        rec = self.records.get(file_id) or self.index.file(file_id)
+        self.index.delete_file(conn, file_id)  # type: ignore[arg-type]
+        self._drop_record(file_id)
+        return rec
+
+    def disk_bytes(self) -> int:
+        """What the store puts on disk: its chunk files, its index (with WAL) and the
+        two directories' own blocks."""
+        dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
+        return self.chunk_bytes + self.index.footprint() + dirs
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""

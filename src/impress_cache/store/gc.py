@@ -8,23 +8,28 @@ a request of this process is unlinked when the lease is released.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ImpressError, StoreFormatError
 from ..index.radix import RadixNode
-from ..index.sqlite import FileRecord
+from ..index.sqlite import WAL_LIMIT, FileRecord
 from ..storage import FORMATS
+from ..storage.base import KV, PROBE, BlockKey
+from ..tiers import TierManager
 from .catalog import FILE_NAME, Catalog
 from .directory import dir_mode, ensure_dir
-from .leases import LeaseTable
+from .leases import GRACE, LEASED, LeaseTable
 from .values import NodeValues
 
 log = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "quarantine"
+#: removals per index transaction of the disk budget (the catalog lock is free between)
+BATCH = 16
 
 
 @dataclass
@@ -81,7 +86,7 @@ class StoreGC:
             for rec in dropped:
                 if rec.id != file_id:
                     self._leases.defer_unlink(rec.id, rec.name)
-            catalog.forget({rec.id for rec in dropped} | {file_id})
+            catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
             if record is not None and FILE_NAME.match(record.name):
                 self._move_aside(record.name)
             self.counters.quarantined_files += 1
@@ -131,7 +136,7 @@ class StoreGC:
         write (it never deletes files it did not create).
         """
         catalog = self._catalog
-        known = set(catalog.index.file_names().values())
+        known = {rec.name for rec in catalog.records.values()}  # the index as the catalog loaded it
         foreign, orphans = [], []
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name
@@ -168,60 +173,62 @@ class StoreGC:
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:
-        """Remove the least valuable stored prefixes until the chunk files fit ``budget``.
+        """Remove the least valuable stored prefixes until the store fits ``budget``.
+
+        The store's size is what it puts on disk (`Catalog.disk_bytes`): every indexed
+        chunk file as the blocks it takes, plus the index, its WAL and shared-memory
+        file. The WAL gets `wal_bound` bytes of the budget: a WAL past it is
+        checkpointed and truncated before and after the removals, and a smaller one
+        counts as that size, so the WAL's growth between two calls stays in budget.
 
         Candidates are the radix-tree leaves (whole stored prefixes, or their unshared
-        tails) whose file is not in use (no lease, not matched within the grace period)
-        and that are not in ``protect``. The value of a leaf is its node's policy
-        priority (`NodeValues`: IMPRESS score, recency or access count of the requests
-        that reused it); the lowest goes first. All removals happen in one index
-        transaction; then chunk files no node references any more are deleted. A file
-        shared with nodes that stay is kept (its bytes are freed once its last node
-        goes).
+        tails) that are not in ``protect`` (the prefix just written). They come from the
+        eviction heap of `NodeValues` in order of value (the node's policy priority:
+        IMPRESS score, recency or access count of the requests that reused it), lowest
+        first, ties by node id. A leaf whose file a request has leased is never removed;
+        a leaf matched within the grace period is removed only when no other candidate
+        is left and the store is still over budget. Each removal is a few indexed
+        statements; up to `BATCH` of them share one index transaction, and the catalog
+        lock is released between transactions. Chunk files no node references any more
+        are deleted after the commit (a file shared with nodes that stay is kept: its
+        bytes are freed once its last node goes). The cost of a call is proportional to
+        what it removes and to the candidates it skips, not to the size of the store.
         """
         result = {"removed_prefixes": 0, "removed_files": 0, "freed_bytes": 0}
         catalog = self._catalog
-        index = catalog.index
         if budget is None:
-            return {**result, "disk_bytes": index.total_bytes(), "budget": -1}
+            return {**result, "disk_bytes": catalog.disk_bytes(), "budget": -1}
         protected = set(protect)
-        removed_files: list[FileRecord] = []
-        removed_nodes: list[int] = []
-        with catalog.lock:
-            catalog.refresh()
-            if index.total_bytes() <= budget:
-                return {**result, "disk_bytes": index.total_bytes(), "budget": budget}
-            now = self._clock()
-            try:
-                with index.transaction() as conn:
-                    while index.total_bytes() > budget:
-                        candidates = [n for n in catalog.tree.nodes() if self._evictable(n, protected, now)]
-                        if not candidates:
-                            log.warning(
-                                "the store holds %d bytes, over disk_bytes=%d, but every remaining "
-                                "prefix is in use or was just written",
-                                index.total_bytes(), budget,
-                            )
-                            break
-                        victim = min(candidates, key=lambda n: (self._values.sort_key(n.id), n.id))
-                        catalog.remove(conn, victim)
-                        removed_nodes.append(victim.id)
-                        result["removed_prefixes"] += 1
-                        removed_files += catalog.drop_unreferenced_files(conn)
-            except BaseException:
-                catalog.reload_tree()
-                raise
-            self._values.forget(removed_nodes)
-            catalog.forget({rec.id for rec in removed_files})
-            for rec in removed_files:
+        if not self._values.ordering:  # the first call: candidates from the whole tree, once
+            with catalog.lock:
+                self._values.reset_order([n.id for n in catalog.tree.nodes() if not n.children], start=True)
+        bound = wal_bound(budget)
+        self._trim_wal(bound)
+        stuck = False
+        while True:
+            with catalog.lock:
+                catalog.refresh()
+                if self._used(bound) <= budget:
+                    break
+                removed, dropped, stuck = self._evict_batch(budget, bound, protected)
+            for rec in dropped:
                 self._leases.defer_unlink(rec.id, rec.name)
-            result["removed_files"] = len(removed_files)
-            result["freed_bytes"] = sum(rec.file_bytes for rec in removed_files)
-            c = self.counters
-            c.prefixes_evicted += result["removed_prefixes"]
-            c.files_evicted += result["removed_files"]
-            c.disk_bytes_evicted += result["freed_bytes"]
-            after = index.total_bytes()
+            result["removed_prefixes"] += removed
+            result["removed_files"] += len(dropped)
+            result["freed_bytes"] += sum(rec.file_bytes for rec in dropped)
+            if stuck or removed < BATCH:
+                break
+        self._trim_wal(bound)
+        c = self.counters
+        c.prefixes_evicted += result["removed_prefixes"]
+        c.files_evicted += result["removed_files"]
+        c.disk_bytes_evicted += result["freed_bytes"]
+        after = catalog.disk_bytes()
+        if stuck and after > budget:
+            log.warning(
+                "the store takes %d bytes, over disk_bytes=%d, but every remaining prefix is in use "
+                "or was just written", after, budget,
+            )
         if result["removed_prefixes"]:
             log.info(
                 "disk budget: removed %d prefix node(s) and %d file(s), freed %d bytes; %d of %d bytes used",
@@ -229,5 +236,102 @@ class StoreGC:
             )
         return {**result, "disk_bytes": after, "budget": budget}
 
-    def _evictable(self, node: RadixNode, protected: set[int], now: float) -> bool:
-        return not (node.children or node.id in protected or self._leases.in_use(node.file_id, now))
+    def _used(self, wal_room: int) -> int:
+        """What the budget compares: the store's bytes on disk, with ``wal_room`` bytes
+        kept for the WAL however small it is now."""
+        index = self._catalog.index
+        return self._catalog.disk_bytes() + max(0, wal_room - index.wal_bytes())
+
+    def _trim_wal(self, bound: int) -> None:
+        if self._catalog.index.wal_bytes() > bound:
+            self._catalog.index.checkpoint()
+
+    def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[int, list[FileRecord], bool]:
+        """Up to `BATCH` removals in one index transaction (under the catalog lock).
+        Returns how many leaves went, the files that went with them and whether it ran
+        out of candidates."""
+        catalog = self._catalog
+        values = self._values
+        used = self._used(wal_room)
+        now = self._clock()
+        seen: set[int] = set()
+        aside: list[int] = []  # popped, not taken: back onto the heap afterwards
+        grace: list[tuple[tuple[float, int], int, RadixNode]] = []  # heap: free but for the grace period
+        victims: list[int] = []
+        dropped: list[FileRecord] = []
+        exhausted = False
+        try:
+            # not fsynced: a removal a power cut undoes leaves rows whose file is gone,
+            # which reads treat as a damaged file (quarantine, recompute); the next
+            # durable commit makes it durable
+            with catalog.index.transaction(durable=False) as conn:
+                while used > budget and len(victims) < BATCH:
+                    node = self._next_candidate(protected, now, seen, aside, grace)
+                    if node is None:
+                        exhausted = True
+                        break
+                    catalog.remove(conn, node)
+                    victims.append(node.id)
+                    rec = catalog.drop_file_if_unreferenced(conn, node.file_id)
+                    if rec is not None:
+                        dropped.append(rec)
+                        used -= rec.file_bytes
+        except BaseException:
+            catalog.reload_tree()
+            raise
+        values.forget(victims)
+        values.push(aside + [item[1] for item in grace])
+        catalog.forget({rec.id for rec in dropped}, dropped)
+        return len(victims), dropped, exhausted
+
+    def _next_candidate(
+        self, protected: set[int], now: float, seen: set[int], aside: list[int],
+        grace: list[tuple[tuple[float, int], int, RadixNode]],
+    ) -> RadixNode | None:
+        """The free leaf with the lowest value; when the heap has none left, the lowest
+        one held only by its grace period; ``None`` when nothing can go."""
+        tree = self._catalog.tree
+        while True:
+            node_id = self._values.pop()
+            if node_id is None:
+                return heapq.heappop(grace)[2] if grace else None
+            node = tree.get(node_id)
+            if node_id in seen or node is None or node.children or node.parent is None:
+                continue  # a duplicate, or no longer a leaf of the tree
+            seen.add(node_id)
+            if node_id in protected:
+                aside.append(node_id)
+                continue
+            state = self._leases.protection(node.file_id, now)
+            if state == LEASED:
+                aside.append(node_id)
+            elif state == GRACE:
+                heapq.heappush(grace, (self._values.sort_key(node_id), node_id, node))
+            else:
+                return node
+
+
+def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:
+    """Every block key (K/V and probe, every layer) of the files ``records``."""
+    for rec in records:
+        for kind in (KV, PROBE):
+            for layer in range(rec.layers):
+                for block in range(rec.blocks):
+                    yield (rec.id, kind, layer, block)
+
+
+def drop_blocks(tiers: TierManager, file_ids: set[int], records: dict[int, FileRecord]) -> None:
+    """Forget the blocks of deleted files in the memory tiers: by key for files whose
+    shape ``records`` gives (cost per block of those files), by a search of every block
+    the tiers know for the others (files another process deleted)."""
+    for key in block_keys(records.values()):
+        tiers.drop(key)
+    unknown = file_ids - set(records)
+    if unknown:
+        tiers.drop_where(lambda key: key[0] in unknown)
+
+
+def wal_bound(budget: int) -> int:
+    """Size past which the disk budget checkpoints and truncates the index's WAL: 1/16
+    of the budget, between 64 KiB and `WAL_LIMIT`."""
+    return max(64 << 10, min(WAL_LIMIT, budget // 16))

@@ -3,11 +3,16 @@
 A request leases the files its matched prefixes live in (`PrefixLease`) until it holds
 every row it needs; a match also protects its files for a grace period (`MATCH_GRACE_S`
 of the store's clock) that covers the moment between `ImpressStore.match` and
-`ImpressStore.lease`. Leases are per file, not per radix node: a node may be replaced by
-a split or removed from the tree while a request reads it (the request keeps its
-segments, which stay valid), but its file is unlinked only once no lease holds it
-(`defer_unlink`). Another process deleting a file this one reads is harmless once the
-file is open: the open descriptor keeps its data readable.
+`ImpressStore.lease`. A lease is absolute; the grace period is a preference: the disk
+budget takes a prefix still in its grace period only when every other candidate is gone
+and the store is still over budget (under load every prefix may have been matched in the
+last seconds, and the budget must hold). A request whose prefix went in that gap fails
+to read it and recomputes (`CorruptBlockError`, then a new match). Leases are per file,
+not per radix node: a node may be replaced by a split or removed from the tree while a
+request reads it (the request keeps its segments, which stay valid), but its file is
+unlinked only once no lease holds it (`defer_unlink`). Another process deleting a file
+this one reads is harmless once the file is open: the open descriptor keeps its data
+readable.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..index.radix import Match
 from .activity import Activity
 
-#: seconds after a match during which the disk budget leaves the matched files alone
+#: seconds after a match during which the disk budget prefers to leave the matched files
+#: alone (it takes them only when nothing else brings the store within its budget)
 MATCH_GRACE_S = 5.0
+
+#: what protects a file from the disk budget (`LeaseTable.protection`)
+FREE, GRACE, LEASED = 0, 1, 2
 
 
 class PrefixLease:
@@ -58,6 +68,36 @@ def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ..
         table.release(file_ids, request)
 
 
+class Unlinker:
+    """Deletes evicted chunk files on a thread of its own, so neither the writer nor a
+    request waits for the file system (an unlink took ~7 ms on the project's machine).
+    `drain` waits until every file handed over is gone (`ImpressStore.flush`)."""
+
+    def __init__(self, unlink: Callable[[str], None]) -> None:
+        self._unlink = unlink
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-unlink")
+        self._lock = threading.Lock()
+        self._pending: list[Future[None]] = []
+
+    def __call__(self, name: str) -> None:
+        try:
+            fut = self._pool.submit(self._unlink, name)
+        except RuntimeError:  # shut down: delete it here
+            self._unlink(name)
+            return
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class LeaseTable:
     """Lease references and match grace periods of one store, by file."""
 
@@ -69,7 +109,9 @@ class LeaseTable:
         activity: Activity | None = None,
     ) -> None:
         self._clock = clock
-        self._unlink = unlink
+        #: deletes files on a thread of its own (`drain` waits for it)
+        self.unlinker = Unlinker(unlink)
+        self._unlink = self.unlinker
         self._activity = activity
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
@@ -91,6 +133,16 @@ class LeaseTable:
         """Leased, or matched within the grace period."""
         with self._lock:
             return self._held[file_id] > 0 or now - self._matched_at.get(file_id, -float("inf")) < self.grace_s
+
+    def protection(self, file_id: int, now: float) -> int:
+        """``LEASED`` (a request holds it), ``GRACE`` (matched within the grace period,
+        not leased) or ``FREE``."""
+        with self._lock:
+            if self._held[file_id] > 0:
+                return LEASED
+            if now - self._matched_at.get(file_id, -float("inf")) < self.grace_s:
+                return GRACE
+            return FREE
 
     def held(self) -> dict[int, int]:
         with self._lock:

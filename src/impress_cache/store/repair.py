@@ -126,7 +126,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
     index.get_or_set_json("probe", probe)
     kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
     rb = probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
-    catalog = Catalog(path, index, (kv_row, rb), lambda ids: None)
+    catalog = Catalog(path, index, (kv_row, rb), lambda ids, records: None)
     indexed = 0
     try:
         for _, _, new, seq in sorted(headers, key=lambda h: (h[0], h[1])):

@@ -35,7 +35,7 @@ import torch
 from ..config import ImpressConfig
 from ..errors import ConfigError, ImpressError, StoreFormatError
 from ..index.radix import Match, RadixTree, Segment, as_tokens
-from ..index.sqlite import Index
+from ..index.sqlite import FileRecord, Index
 from ..storage import FORMATS
 from ..storage.base import KV, BlockKey
 from ..storage.reader import BlockReader
@@ -47,7 +47,7 @@ from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
 from .directory import prepare
-from .gc import StoreGC
+from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
@@ -147,7 +147,8 @@ class ImpressStore:
             row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
             self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
             self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
-            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split)
+            on_leaves = self._values.leaves_changed  # the disk budget's candidates
+            self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split, on_leaves)
         except BaseException:
             index.close()
             raise
@@ -186,10 +187,8 @@ class ImpressStore:
         loaded = self._stats.load()
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
-        log.info(
-            "opened store %s: %d nodes, %d files, statistics of %d blocks",
-            self.path, len(self.tree), len(index.files()), loaded,
-        )
+        n_files = len(self._catalog.records)
+        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), n_files, loaded)
 
     def _policy_kwargs(self) -> dict[str, Any]:
         cfg = self.config
@@ -241,7 +240,7 @@ class ImpressStore:
         self._closed = True
         steps = (
             self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._remote.close,
-            lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
+            self._leases.unlinker.close, lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
             self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
         )
         failure: BaseException | None = None
@@ -260,6 +259,7 @@ class ImpressStore:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
         save the statistics of the blocks read since the last save."""
         self._writer.flush()
+        self._leases.unlinker.drain()
         self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
         self.save_block_stats()
 
@@ -421,9 +421,9 @@ class ImpressStore:
         self._values.inherit(old_id, new_ids)
         self._importance.split(old_id, new_ids, k)
 
-    def _forget_files(self, file_ids: set[int]) -> None:
+    def _forget_files(self, file_ids: set[int], records: dict[int, FileRecord]) -> None:
         """Drop everything the memory tiers know about blocks of deleted files."""
-        self.tiers.drop_where(lambda key: key[0] in file_ids)
+        drop_blocks(self.tiers, file_ids, records)
         self._stats.forget(file_ids)
 
     # -- maintenance -----------------------------------------------------------------
@@ -490,8 +490,8 @@ class ImpressStore:
 
     # -- introspection ---------------------------------------------------------------
     def disk_bytes(self) -> int:
-        """Bytes of the blocks (K/V and probe copies) in chunk files the index references."""
-        return self.index.total_bytes()
+        """Bytes the store takes on disk, as the disk budget counts them (chunk files, index, WAL)."""
+        return self._catalog.disk_bytes()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this store since it was opened (or since `reset_stats`).
@@ -535,7 +535,7 @@ class ImpressStore:
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
-            len(self.tree), len(self.index.files()), self.disk_bytes(), self.config.disk_bytes,
+            len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats())
         out["remote"] = self._remote.stats()

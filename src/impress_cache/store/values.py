@@ -1,4 +1,5 @@
-"""The value of a stored prefix to the disk budget: access statistics per radix node.
+"""The value of a stored prefix to the disk budget: access statistics per radix node, and
+the order in which the disk budget considers them.
 
 Every request that reuses a prefix records one access on each radix node it matched,
 with the share of the node's rows it loaded for the prefill; a node written by a prompt
@@ -6,52 +7,80 @@ starts with statistics but no access. The configured eviction policy (IMPRESS sc
 LRU or LFU) turns them into a priority, so the disk budget removes the stored prefix
 with the lowest score, the least recently or the least often used one. A split node's
 two halves inherit its statistics.
+
+Eviction order is a min-heap of ``(sort_key, node_id)`` with lazy re-keying, like the
+memory tiers' heaps (`tiers/heaps.py`): a node gets a fresh item whenever its
+statistics change or it may have become a leaf (`push`); `pop` drops items whose key is
+no longer the node's current key (and pushes the current one). Every policy's sort key
+is time-invariant (it changes only when the node's statistics do), so the item at the
+top is always the node with the lowest current key. Whether a popped node is still a
+leaf of the tree, and free to go, is the caller's check. Stale items are dropped in bulk
+when the heap holds more than four times as many items as nodes it knows.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..tiers.policies.base import EvictionPolicy
 
+_COMPACT_MIN = 256
+
 
 class NodeValues:
-    """Per-node statistics under the store's clock (thread-safe)."""
+    """Per-node statistics under the store's clock and the eviction heap (thread-safe)."""
 
     def __init__(self, policy: EvictionPolicy, clock: Callable[[], float]) -> None:
         self._policy = policy
         self._clock = clock
         self._lock = threading.Lock()
         self.dirty: set[int] = set()
+        self._heap: list[tuple[tuple[float, int], int]] = []
+        #: nodes with at least one heap item (a forgotten node loses its place)
+        self._queued: set[int] = set()
+        #: whether the heap is kept (from the first `reset_order(..., start=True)` on: a
+        #: store without a disk budget pays nothing for it)
+        self.ordering = False
 
+    # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
         now = self._clock()
         with self._lock:
             for node_id in node_ids:
                 self._policy.on_access(node_id, now, share)
                 self.dirty.add(node_id)
+                self._push(node_id, now)
 
     def seed(self, node_id: int) -> None:
         with self._lock:
-            self._policy.seed(node_id, self._clock(), 1.0)
+            now = self._clock()
+            self._policy.seed(node_id, now, 1.0)
             self.dirty.add(node_id)
+            self._push(node_id, now)
 
     def inherit(self, old_id: int, new_ids: Iterable[int]) -> None:
         with self._lock:
+            now = self._clock()
+            new_ids = list(new_ids)
             if old_id in self._policy:
                 record = self._policy.stats_of(old_id)
                 for node_id in new_ids:
                     self._policy.load_stats(node_id, record)
                     self.dirty.add(node_id)
             self._policy.forget(old_id)
+            self._queued.discard(old_id)
+            for node_id in new_ids:
+                self._push(node_id, now)
 
     def forget(self, node_ids: Iterable[int]) -> None:
         with self._lock:
             for node_id in node_ids:
                 self._policy.forget(node_id)
                 self.dirty.discard(node_id)
+                self._queued.discard(node_id)
 
     def sort_key(self, node_id: int) -> tuple[float, int]:
         """Eviction order: lower goes first (see `EvictionPolicy.sort_key`)."""
@@ -72,7 +101,78 @@ class NodeValues:
     def load(self, records: Iterable[tuple[int, dict[str, Any]]]) -> int:
         n = 0
         with self._lock:
+            now = self._clock()
             for node_id, rec in records:
                 self._policy.load_stats(node_id, rec)
+                self._push(node_id, now)
                 n += 1
         return n
+
+    # -- eviction order ------------------------------------------------------------------
+    def push(self, node_ids: Iterable[int]) -> None:
+        """Give nodes a heap item with their current key (nodes that may have become
+        leaves, or that a caller popped and puts back)."""
+        with self._lock:
+            now = self._clock()
+            for node_id in node_ids:
+                self._push(node_id, now)
+
+    def leaves_changed(self, node_ids: Iterable[int], reset: bool) -> None:
+        """`Catalog`'s ``on_leaves``: nodes that may have become leaves (``reset``: the
+        tree was loaded and these are all its leaves)."""
+        if reset:
+            self.reset_order(node_ids)
+        else:
+            self.push(node_ids)
+
+    def reset_order(self, node_ids: Iterable[int], start: bool = False) -> None:
+        """Start the heap again with exactly ``node_ids`` (the tree's leaves, after it
+        was loaded); ``start`` keeps the heap from now on."""
+        with self._lock:
+            if not (self.ordering or start):
+                return
+            self.ordering = True
+            now = self._clock()
+            self._queued = set(node_ids)
+            self._heap = [(self._policy.sort_key(n, now), n) for n in self._queued]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> int | None:
+        """The queued node with the lowest current key, taken off the heap (``None``
+        when the heap is empty). The caller pushes it back if it does not remove it."""
+        with self._lock:
+            now = self._clock()
+            heap = self._heap
+            while heap:
+                key, node_id = heapq.heappop(heap)
+                if node_id not in self._queued:
+                    continue
+                current = self._policy.sort_key(node_id, now)
+                if current != key:  # statistics changed since this item was pushed
+                    heapq.heappush(heap, (current, node_id))
+                    continue
+                return node_id
+            return None
+
+    def queued(self) -> int:
+        """Heap items, stale ones included (for tests and the benchmark)."""
+        return len(self._heap)
+
+    def _push(self, node_id: int, now: float) -> None:
+        if not self.ordering:
+            return
+        heapq.heappush(self._heap, (self._policy.sort_key(node_id, now), node_id))
+        self._queued.add(node_id)
+        if len(self._heap) > _COMPACT_MIN and len(self._heap) > 4 * len(self._queued):
+            self._compact(now)
+
+    def _compact(self, now: float) -> None:
+        """Keep one item per queued node, with its current key."""
+        seen: set[int] = set()
+        kept = []
+        for _, node_id in self._heap:
+            if node_id in self._queued and node_id not in seen:
+                seen.add(node_id)
+                kept.append((self._policy.sort_key(node_id, now), node_id))
+        heapq.heapify(kept)
+        self._heap = kept

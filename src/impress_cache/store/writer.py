@@ -258,7 +258,8 @@ class PromptWriter:
                     offsets[KV, blk.layer, blk.block] = off
                 else:
                     offsets[PROBE, blk.layer] = off + np.arange(nb) * ct * self._probe.record_bytes
-            file_bytes = os.stat(tmp, dir_fd=catalog.chunks_fd).st_size
+            st = os.stat(tmp, dir_fd=catalog.chunks_fd)
+            file_bytes = max(st.st_size, st.st_blocks * 512)  # what the file takes on disk
             os.replace(tmp, name, src_dir_fd=catalog.chunks_fd, dst_dir_fd=catalog.chunks_fd)
             if self._config.fsync:
                 os.fsync(catalog.chunks_fd)

@@ -143,7 +143,7 @@ class Reordering:
     ) -> None:
         catalog = self._catalog
         with catalog.lock:
-            catalog.forget({rec.id for rec in dropped})
+            catalog.forget({rec.id for rec in dropped}, dropped)
         for rec in dropped:
             self._leases.defer_unlink(rec.id, rec.name)
         self.importance.move(old.id, new.id)

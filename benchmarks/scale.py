@@ -1,0 +1,355 @@
+"""A full store stays fast: writes, eviction and requests at the disk budget, and what a
+large store costs to open and to hold in memory.
+
+    python benchmarks/scale.py --out results/scale.json --plot docs/img/scale.png  # 4-15 min
+    python benchmarks/scale.py --quick --out /tmp/scale-quick.json                 # ~1 min
+
+One store grows through ``--sizes`` prompts (default 1,000, 10,000 and 50,000; quick:
+300, 1,000 and 3,000). Every prompt is one of 50 system prompts (120 tokens) followed by
+a distinct user part (64-100 tokens), so the system prompts are stored once and every
+prompt adds one chunk file of its user part. The model is a tiny random Llama (2 layers,
+2 KV heads of 16, 1 torch thread); this benchmark is about the store's metadata, not
+about attention. K/V written by the growth phase are random tensors of the right shape
+(what a request reads back is checked against its checksums, its values do not matter).
+
+At each size:
+
+* **below the budget**: write throughput (prompts/s of ``put_async`` windows of 200,
+  until flushed) while requests run on the main thread; ImpressCache construction p50/p99
+  and ``generate`` (4 new tokens) p50 of requests that reuse a stored prompt and add 8
+  tokens;
+* **at the budget**: ``disk_bytes`` is set to the store's current size, and the same
+  writes and requests run again; every write then removes about one stored prompt. Also
+  eviction seconds per write (`ImpressStore.enforce_disk_budget` after each write, mean
+  and p99). Then the budget is lifted and the store grows on;
+* **open**: in a fresh process, `ImpressStore(path, None)` seconds and the growth of its
+  resident set (VmRSS) per stored token (distinct tokens in the index);
+* **match**: `ImpressStore.match` of stored prompts plus 8 new tokens, p50/p99;
+* **footprint**: `store.disk_bytes()` (what the budget counts) and ``du`` of the store
+  over the raw K/V bytes of the stored tokens.
+
+The machine is shared with other jobs: timings are noisy; the ratios compare runs of the
+same process at the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
+
+VOCAB = 4096
+SYSTEMS, SYSTEM_LEN, USER_LEN = 50, 120, (64, 100)
+WINDOW = 200
+
+
+def tiny_llama() -> torch.nn.Module:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class Prompts:
+    """Prompt ``i``: system prompt ``i % 50`` and a user part drawn from seed ``i``."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(12345)
+        self.systems = [rng.integers(3, VOCAB, SYSTEM_LEN).tolist() for _ in range(SYSTEMS)]
+
+    def __call__(self, i: int) -> list[int]:
+        rng = np.random.default_rng(1_000_003 + i)
+        return self.systems[i % SYSTEMS] + rng.integers(3, VOCAB, int(rng.integers(*USER_LEN))).tolist()
+
+
+def _kv(n: int, cache: dict[int, tuple[list, list]]) -> tuple[list, list]:
+    if n not in cache:
+        g = torch.Generator().manual_seed(n)
+        cache[n] = (
+            [torch.randn(2, n, 16, generator=g, dtype=torch.float32) for _ in range(2)],
+            [torch.randn(2, n, 16, generator=g, dtype=torch.float32) for _ in range(2)],
+        )
+    return cache[n]
+
+
+class Writer(threading.Thread):
+    """Writes prompts ``start .. stop`` in windows of `WINDOW` (each window flushed)."""
+
+    def __init__(self, store: ImpressStore, prompts: Prompts, start: int, stop: int) -> None:
+        super().__init__(daemon=True)
+        self.store, self.prompts, self.range = store, prompts, (start, stop)
+        self.kv: dict[int, tuple[list, list]] = {}
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            lo, hi = self.range
+            for w in range(lo, hi, WINDOW):
+                for i in range(w, min(hi, w + WINDOW)):
+                    toks = self.prompts(i)
+                    ks, vs = _kv(len(toks), self.kv)
+                    self.store.put_async(toks, ks, vs)
+                self.store.flush()
+            self.seconds = time.perf_counter() - t0
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+
+    @property
+    def prompts_per_s(self) -> float:
+        return (self.range[1] - self.range[0]) / self.seconds if self.seconds else 0.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def requests(model, store: ImpressStore, prompts: Prompts, stored: int, writer: Writer | None, n: int) -> dict:
+    """Requests on stored prompts + 8 new tokens until ``writer`` is done (at least ``n``)."""
+    rng = np.random.default_rng(stored)
+    build, gen = [], []
+    while len(build) < n or (writer is not None and writer.is_alive()):
+        i = int(rng.integers(0, stored))
+        ids = torch.tensor([prompts(i) + rng.integers(3, VOCAB, 8).tolist()])
+        mask = torch.ones_like(ids)
+        t0 = time.perf_counter()
+        cache = ImpressCache(store, ids, attention_mask=mask, store_prompt=False)
+        t1 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
+        t2 = time.perf_counter()
+        build.append(t1 - t0)
+        gen.append(t2 - t1)
+        if len(build) > 50 * n:
+            break
+    return {
+        "requests": len(build),
+        "construct_ms_p50": 1e3 * _pct(build, 50), "construct_ms_p99": 1e3 * _pct(build, 99),
+        "generate_ms_p50": 1e3 * _pct(gen, 50),
+    }
+
+
+def phase(model, store: ImpressStore, prompts: Prompts, start: int, count: int, stored: int, n_req: int) -> dict:
+    """``count`` writes in the background while requests run; returns both sides."""
+    evictions: list[float] = []
+    enforce = store._gc.enforce
+
+    def timed(budget, protect=()):
+        t0 = time.perf_counter()
+        out = enforce(budget, protect)
+        evictions.append(time.perf_counter() - t0)
+        return out
+
+    store._gc.enforce = timed
+    before = store.stats()["prefixes_evicted"]
+    writer = Writer(store, prompts, start, start + count)
+    writer.start()
+    req = requests(model, store, prompts, stored, writer, n_req)
+    writer.join()
+    store._gc.enforce = enforce
+    if writer.error is not None:
+        raise writer.error
+    return {
+        "writes": count, "write_prompts_per_s": writer.prompts_per_s, **req,
+        "evicted_prefixes": store.stats()["prefixes_evicted"] - before,
+        "eviction_ms_mean": 1e3 * statistics.fmean(evictions) if evictions else 0.0,
+        "eviction_ms_p99": 1e3 * _pct(evictions, 99) if evictions else 0.0,
+    }
+
+
+_OPEN = r"""
+import json, sys, time, gc
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+from impress_cache import ImpressStore, ImpressConfig
+import torch
+torch.set_num_threads(1)
+gc.collect(); r0 = rss(); t0 = time.perf_counter()
+store = ImpressStore(sys.argv[1], None, ImpressConfig(reorg_idle_ms=None, device_bytes=0, host_bytes=0))
+t1 = time.perf_counter(); gc.collect(); r1 = rss()
+tokens = sum(r.n_tokens for r in store._catalog.records.values())
+out = {"open_s": t1 - t0, "rss_bytes": r1 - r0, "stored_tokens": tokens, "nodes": len(store.tree),
+       "files": len(store._catalog.records)}
+store.close()
+print(json.dumps(out))
+"""
+
+
+def open_cost(path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    runs = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _OPEN, str(path)], capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = min(runs, key=lambda r: r["open_s"])
+    best["open_s_median"] = statistics.median(r["open_s"] for r in runs)
+    best["rss_bytes_per_token"] = best["rss_bytes"] / max(1, best["stored_tokens"])
+    return best
+
+
+def match_latency(store: ImpressStore, prompts: Prompts, stored: int, n: int = 500) -> dict:
+    rng = np.random.default_rng(7)
+    xs, found = [], 0
+    for _ in range(n):
+        toks = np.asarray(prompts(int(rng.integers(0, stored))) + rng.integers(3, VOCAB, 8).tolist(), np.int32)
+        t0 = time.perf_counter()
+        m = store.match(toks)
+        xs.append(time.perf_counter() - t0)
+        found += m.length >= len(toks) - 8
+    return {"match_us_p50": 1e6 * _pct(xs, 50), "match_us_p99": 1e6 * _pct(xs, 99), "match_found": found / n}
+
+
+def du(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total + os.lstat(path).st_blocks * 512
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = tiny_llama()
+    prompts = Prompts()
+    root = Path(tempfile.mkdtemp(prefix="impress-scale-", dir=args.dir))
+    path = root / "store"
+    # the request settings of results/scale.json (the library defaults of its day): sparse
+    # prefill of 25% of the rows, the rest read after it, no re-computation of new tokens
+    cfg = ImpressConfig(  # the store's (mutable) config
+        reorg_idle_ms=None, fsync=not args.no_fsync, important_ratio=0.25, prefetch=True,
+        refresh_new_tokens=False, guard_margin=0.0,
+    )
+    grow_cfg = ImpressConfig(reorg_idle_ms=None, fsync=not args.no_fsync)
+    results: list[dict[str, Any]] = []
+    written = 0
+    try:
+        store = ImpressStore(path, model, cfg)
+        for size in args.sizes:
+            t0 = time.perf_counter()
+            store.config.fsync = False  # growth only: the measured phases below fsync
+            grow = Writer(store, prompts, written, size)
+            grow.run()
+            store.config.fsync = grow_cfg.fsync
+            if grow.error is not None:
+                raise grow.error
+            written = size
+            print(f"[{size}] grown in {time.perf_counter() - t0:.1f} s ({grow.prompts_per_s:.0f} prompts/s)", flush=True)
+            row: dict[str, Any] = {"prompts": size, "growth_prompts_per_s": grow.prompts_per_s}
+            w = args.writes
+            row["below"] = phase(model, store, prompts, written, w, written, args.requests)
+            written += w
+            store.config.disk_bytes = store.disk_bytes()
+            row["budget_bytes"] = store.config.disk_bytes
+            row["at"] = phase(model, store, prompts, written, w, written, args.requests)
+            written += w
+            store.config.disk_bytes = None
+            row["stored_prompts"] = sum(1 for n in store.tree.nodes() if not n.children)
+            row.update(match_latency(store, prompts, written))
+            row["disk_bytes"] = store.disk_bytes()
+            store.close()
+            row["du_bytes"] = du(path)
+            row.update(open_cost(path))
+            row["raw_kv_bytes"] = row["stored_tokens"] * store.spec.kv_bytes_per_token
+            row["footprint_ratio"] = row["du_bytes"] / row["raw_kv_bytes"]
+            b, a = row["below"], row["at"]
+            row["throughput_ratio"] = a["write_prompts_per_s"] / b["write_prompts_per_s"]
+            row["construct_p99_ratio"] = a["construct_ms_p99"] / b["construct_ms_p99"]
+            results.append(row)
+            print(json.dumps(row, indent=1), flush=True)
+            store = ImpressStore(path, model, cfg)
+        store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "benchmark": "scale",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "note": "shared with other jobs"},
+        "torch_threads": 1,
+        "fsync": not args.no_fsync,
+        "sizes": results,
+    }
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["sizes"]
+    x = [r["prompts"] for r in rows]
+    fig, ax = plt.subplots(1, 4, figsize=(16, 3.6))
+    ax[0].plot(x, [r["below"]["write_prompts_per_s"] for r in rows], "o-", label="below budget")
+    ax[0].plot(x, [r["at"]["write_prompts_per_s"] for r in rows], "s-", label="at budget")
+    ax[0].set_title("writes (prompts/s)")
+    ax[1].plot(x, [r["at"]["eviction_ms_mean"] for r in rows], "o-", label="mean")
+    ax[1].plot(x, [r["at"]["eviction_ms_p99"] for r in rows], "s-", label="p99")
+    ax[1].set_title("eviction per write (ms)")
+    ax[2].plot(x, [r["below"]["construct_ms_p99"] for r in rows], "o-", label="below budget")
+    ax[2].plot(x, [r["at"]["construct_ms_p99"] for r in rows], "s-", label="at budget")
+    ax[2].set_title("ImpressCache construction p99 (ms)")
+    ax[3].plot(x, [r["open_s"] for r in rows], "o-", label="open (s)")
+    ax3b = ax[3].twinx()
+    ax3b.plot(x, [r["rss_bytes_per_token"] for r in rows], "s--", color="C1", label="RSS B/token")
+    ax[3].set_title("open (s, o) and RSS per token (B, s)")
+    for a in ax:
+        a.set_xscale("log")
+        a.set_xlabel("stored prompts")
+    for a in ax[:3]:
+        a.legend(fontsize=8)
+        a.set_ylim(bottom=0)
+    ax3b.set_ylim(bottom=0)
+    ax[3].set_ylim(bottom=0)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="sizes 300, 1000, 3000; fewer writes and requests")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--writes", type=int, default=None, help="writes per phase (default 400, quick 100)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per phase at least (default 100, quick 30)")
+    ap.add_argument("--no-fsync", action="store_true", help="ImpressConfig(fsync=False)")
+    ap.add_argument("--dir", default=None, help="where the store is built (default: the temp directory)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+    args.sizes = args.sizes or ([300, 1000, 3000] if args.quick else [1000, 10000, 50000])
+    args.writes = args.writes or (100 if args.quick else 400)
+    args.requests = args.requests or (30 if args.quick else 100)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The disk budget counts what the store puts on disk (chunk files as the blocks they
+take, the index, its WAL and shared-memory file, its directories) and holds within
+budget + one prefix while threads and another process write and read at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from impress_cache import ImpressStore
+from impress_cache.store.leases import GRACE
+from test_reorder import _model, cfg, kv_of, put
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = [[3 + i] * 8 + list(range(10 + i, 18 + i)) for i in range(4)]
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    """``n`` prompts of 40-56 tokens: one of four system prompts and a distinct tail."""
+    out = []
+    for i in range(n):
+        tail = [(seed * 7919 + i * 104729 + j * 31) % 200 + 30 for j in range(24 + (i % 3) * 8)]
+        out.append(SYSTEMS[(seed + i) % 4] + tail)
+    return out
+
+
+def du(path: Path) -> int:
+    """Bytes allocated under ``path``, directories included (``du -s --block-size=1``)."""
+    total = os.lstat(path).st_blocks * 512
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+_CHILD = """
+import sys
+sys.path[:0] = {paths!r}
+from impress_cache import ImpressStore
+from test_reorder import _model, cfg, put
+from test_budget import prompts
+with ImpressStore({store!r}, _model(), cfg(disk_bytes={budget})) as store:
+    for toks in prompts(99, {n}):
+        put(store, toks)
+"""
+
+
+def test_budget_counts_what_is_on_disk(tmp_path):
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for toks in prompts(1, 6):
+            put(store, toks)
+        store.flush()
+        assert store.disk_bytes() == du(tmp_path)
+        store.index.checkpoint()
+        assert store.disk_bytes() == du(tmp_path)
+
+
+def test_budget_holds_under_concurrent_writers_and_readers(tmp_path):
+    with ImpressStore(tmp_path, _model(), cfg()) as probe:
+        put(probe, prompts(0, 1)[0])
+        prefix = probe._catalog.chunk_bytes  # one stored prompt (the largest kind)
+        base = probe.disk_bytes()
+    budget = base + 12 * prefix
+    n = 24
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(
+            paths=[str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests" / "store")],
+            store=str(tmp_path), budget=budget, n=n,
+        )],
+    )
+    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=budget)) as store:
+        stop = threading.Event()
+        in_grace = []
+
+        def reader() -> None:
+            """Match everything stored, again and again: every prefix stays in its grace period."""
+            pool = prompts(1, n) + prompts(2, n)
+            while not stop.is_set():
+                for toks in pool:
+                    m = store.match(toks)
+                    if m.length:
+                        store.lease([m]).release()
+                        in_grace.append(store._leases.protection(m.segments[-1].file_id, store.clock()) == GRACE)
+
+        def writer(seed: int) -> None:
+            for toks in prompts(seed, n):
+                ks, vs = kv_of(toks)
+                store.put_async(toks, ks, vs)
+
+        threads = [threading.Thread(target=reader)] + [threading.Thread(target=writer, args=(s,)) for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join()
+        store.flush()
+        stop.set()
+        threads[0].join()
+        assert child.wait(timeout=300) == 0
+        store.enforce_disk_budget()  # the other process may have written after our last write
+        stats = store.stats()
+        assert stats["prefixes_evicted"] > 0
+        assert any(in_grace)  # eviction went on while prefixes were in their grace period
+        assert store.disk_bytes() <= budget + prefix
+    assert du(tmp_path) <= budget + prefix
