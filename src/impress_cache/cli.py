@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import probe as probe_codec
+from .config import ImpressConfig
 from .errors import CorruptBlockError
 from .index.sqlite import Index
 from .storage import KV, PROBE, BlockReader, BlockTable, FileBlocks, file_seed
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("store", type=Path)
     r.add_argument("--force", action="store_true", help="every node with statistics, whatever the expected gain")
     r.add_argument("--limit", type=int, default=None, help="rewrite at most this many nodes")
-    r.add_argument("--important-ratio", type=float, default=0.25, help="share of rows the gain is judged for")
-    r.add_argument("--chunk-tokens", type=int, default=16, help="rows per block of the rewritten files")
-    r.add_argument("--min-requests", type=int, default=4, help="new sparse requests a node needs")
-    r.add_argument("--min-gain", type=float, default=0.2, help="fewer blocks the top rows must need")
+    defaults = ImpressConfig()
+    r.add_argument("--important-ratio", type=float, default=defaults.important_ratio, help="share of rows the gain is judged for")
+    r.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens, help="rows per block of the rewritten files")
+    r.add_argument("--min-requests", type=int, default=defaults.reorg_min_requests, help="new sparse requests a node needs")
+    r.add_argument("--min-gain", type=float, default=defaults.reorg_min_gain, help="fewer blocks the top rows must need")
     args = p.parse_args(argv)
     if args.cmd == "info":
         print(json.dumps(info(args.store), indent=2))

@@ -191,7 +191,7 @@ class Index:
                 if read_only:
                     self._check_version(self._conn)
                 else:
-                    self._conn.execute("PRAGMA journal_mode=WAL")
+                    _switch_to_wal(self._conn)
                     self._conn.execute("PRAGMA synchronous=FULL")
                     # a checkpoint that empties the WAL also shrinks it to this size
                     self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
@@ -598,3 +598,21 @@ for _name, _fn in list(vars(Index).items()):
 
 def _has_meta(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is not None
+
+
+def _switch_to_wal(conn: sqlite3.Connection, timeout_s: float = 30.0) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while the database is locked: switching a
+    new index to WAL needs an exclusive lock, and with two processes creating one store
+    at once it failed with "database is locked" although the busy timeout had not
+    passed (seen once in tests/store/test_safety.py)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(0.2, delay * 2)
