@@ -209,7 +209,15 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
                 s = cache.stats
                 extra = {
                     "device_read_bytes": device,
-                    "prefill_bytes": s.bytes_read_probe + s.bytes_read_rows if s.bytes_read_rows or s.bytes_read_probe else s.bytes_read_disk,
+                    # sparse: probe copies + selected rows + what the uncertainty guard read
+                    # before the first token; dense: every block read
+                    "prefill_bytes": (
+                        s.bytes_read_probe + s.bytes_read_rows + s.bytes_read_guard
+                        if s.bytes_read_rows or s.bytes_read_probe else s.bytes_read_disk
+                    ),
+                    "bytes_read_guard": s.bytes_read_guard,
+                    "guard_triggered": s.guard_triggered,
+                    "first_token_margin": s.first_token_margin,
                     "bytes_read_probe": s.bytes_read_probe,
                     "bytes_read_rows": s.bytes_read_rows,
                     "prefetch_hit_rate": s.prefetch_hit_rate,
