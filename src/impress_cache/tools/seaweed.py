@@ -57,6 +57,7 @@ class SeaweedServer:
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self._socket_ports: list[int] = []
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +72,10 @@ class SeaweedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         master, volume, filer, s3 = _free_ports(4)
         self.port = s3
+        # weed puts its local sockets in /tmp (``seaweedfs-<service>-<port>.sock``, for the
+        # ports and their gRPC ports) and leaves them behind when killed
+        ports = [p + extra for p in (master, volume, filer, s3) for extra in (0, 10000)]
+        self._socket_ports = ports
         cmd = [
             weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
@@ -125,6 +130,13 @@ class SeaweedServer:
                 pass
             self.proc.wait()
         self.proc = None
+        for port in self._socket_ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                try:
+                    if sock.is_socket():
+                        sock.unlink()
+                except OSError:
+                    pass
 
     def __enter__(self) -> SeaweedServer:
         return self.start()
