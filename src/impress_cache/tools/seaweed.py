@@ -77,7 +77,7 @@ class SeaweedServer:
         ports = [p + extra for p in (master, volume, filer, s3) for extra in (0, 10000)]
         self._socket_ports = ports
         cmd = [
-            weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            weed_binary(), f"-logdir={self.data_dir}", "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-volume.max=64", "-master.volumeSizeLimitMB=256",
