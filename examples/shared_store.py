@@ -28,6 +28,7 @@ def host(name: str, store_dir: str, options: str, question: str) -> None:
     import torch
 
     from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+    from impress_cache.hf.compat import CACHE_KWARG
     from impress_cache.tools import load_smollm2
 
     logging.basicConfig(level=logging.WARNING)
@@ -38,7 +39,7 @@ def host(name: str, store_dir: str, options: str, question: str) -> None:
     inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with ImpressStore(store_dir, model, config) as store:
         cache = ImpressCache(store)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=16, do_sample=False)  # past_key_values= on 5.23
+        out = model.generate(**inputs, **{CACHE_KWARG: cache}, max_new_tokens=16, do_sample=False)  # cache= (5.24) or past_key_values= (5.23)
         answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         store.flush()  # write-through: the prompt is in the bucket before this returns
         r = store.stats()["remote"]

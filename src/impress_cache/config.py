@@ -47,8 +47,8 @@ class ImpressConfig:
         Share of a reused prefix whose K/V is loaded for the prefill of new tokens.
         The default 0.2 (the paper uses 0.25) with the new tokens recomputed after the
         prefill and the uncertainty guard kept greedy answers identical to dense
-        reuse's in the answers benchmark while reading under 0.40 of the prefix before
-        the first token (docs: Sparse loading). ``1.0`` loads the whole prefix and
+        reuse's in the answers benchmark while reading 0.33-0.47 of the prefix before
+        the first token (0.27-0.30 where the guard did not fire; docs: Sparse loading). ``1.0`` loads the whole prefix and
         reproduces uncached generation exactly.
     probe_heads:
         Probe query heads per layer, taken from different KV groups. Their groups' KV

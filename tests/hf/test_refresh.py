@@ -51,9 +51,6 @@ def test_refresh_gives_the_new_tokens_dense_kv(tmp_path, padded):
     assert cache.stats.refreshed_tokens == int(mask[:, cache.reused_tokens :].sum())
     for (k, v), (dk, dv) in zip(_prompt_rows(cache, ids.shape[1], mask), _prompt_rows(dense, ids.shape[1], mask)):
         assert torch.allclose(k, dk, atol=1e-5) and torch.allclose(v, dv, atol=1e-5)
-    if torch.equal(seq[:, ids.shape[1]], dseq[:, ids.shape[1]]):
-        # same first token: every later step is dense reuse's
-        assert (logits[:, 1:] - dlogits[:, 1:]).abs().max() < 1e-4
     # without the refresh the new tokens keep the K/V of the sparse prefill
     stale, _, _ = _generate(tmp_path, model, ids, mask, **SPARSE, refresh_new_tokens=False)
     assert stale.stats.refreshed_tokens == 0

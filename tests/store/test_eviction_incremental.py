@@ -135,5 +135,6 @@ def test_incremental_eviction_removes_what_a_full_scan_would(tmp_path_factory, m
 
 def test_the_examples_evict():
     """Guard against a vacuous property: most examples above end with removals."""
-    if evictions:
-        assert sum(1 for n in evictions if n) >= len(evictions) // 4
+    if not evictions:
+        pytest.skip("runs after the property test (not run alone or under -k)")
+    assert sum(1 for n in evictions if n) >= len(evictions) // 4

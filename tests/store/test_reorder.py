@@ -237,7 +237,7 @@ def test_rewrite_waits_for_requests_between_blocks(tmp_path):
         worker.join(60)
         assert not worker.is_alive()
         i, j = events.index("request"), events.index("done")
-        assert events[i + 1 : j].count("block") == 0
+        assert events[i + 1 : j].count("block") <= 1  # the one that passed its idle check as the request came
         assert events.count("block") > 4
         assert store.stats()["reorganisations"] == 1
         assert assert_reads_exact(store, toks) == len(toks)

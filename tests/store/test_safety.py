@@ -235,6 +235,7 @@ def test_a_full_disk_never_fails_generation(tmp_path, caplog):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    store = None
     try:
         model = tiny_model("llama")
         store = ImpressStore(mnt / "s", model, CFG)
@@ -256,6 +257,8 @@ def test_a_full_disk_never_fails_generation(tmp_path, caplog):
         store.close()
         store.close()  # idempotent
     finally:
+        if store is not None:
+            store.close()  # its files keep the tmpfs busy otherwise (and hide a failure)
         subprocess.run(["umount", str(mnt)], check=True)
 
 

@@ -123,6 +123,7 @@ class Index:
         except sqlite3.Error as exc:
             raise index_error(path, exc) from exc
         self._lock = threading.RLock()
+        self._in_transaction = False
         try:
             with self._lock:
                 if read_only:
@@ -215,24 +216,30 @@ class Index:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
+            if self._in_transaction:  # the lock is reentrant: a nested one would roll back the outer
+                raise RuntimeError("nested index transaction")
             try:
-                if self._conn.in_transaction:
+                if self._conn.in_transaction:  # left open by a failed statement outside a transaction
                     self._conn.execute("ROLLBACK")
                 self._conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise index_error(self.path, exc) from exc
+            self._in_transaction = True
             try:
-                yield self._conn
-            except BaseException as exc:
-                self._rollback()
-                if isinstance(exc, sqlite3.Error):
+                try:
+                    yield self._conn
+                except BaseException as exc:
+                    self._rollback()
+                    if isinstance(exc, sqlite3.Error):
+                        raise index_error(self.path, exc) from exc
+                    raise
+                try:
+                    self._conn.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    self._rollback()
                     raise index_error(self.path, exc) from exc
-                raise
-            try:
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._rollback()
-                raise index_error(self.path, exc) from exc
+            finally:
+                self._in_transaction = False
 
     def _rollback(self) -> None:
         try:

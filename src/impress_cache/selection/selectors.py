@@ -150,7 +150,8 @@ def select_row(
         Seed of the ``"random"`` baseline (the cache passes the layer index).
     keep:
         ``(sinks, recent)``: the first ``sinks`` and last ``recent`` rows are always
-        selected (they rank above every scored row; they count against ``k``).
+        selected (they rank above every scored row; they count against ``k``); the
+        baselines ignore it.
     """
     if mode in BASELINES:
         from .baselines import select_baseline
@@ -197,6 +198,9 @@ def select_row(
         return load_rows(layout, rows, read_units, similarity, threshold, True, importance)
     # read the whole layer to get every KV head's keys
     units, blocks, full_k = read_all(layout, read_units)
-    rows = topk_indices(kv_head_scores(queries, full_k, new_keys).unsqueeze(0), k)[0]  # [Hkv, k]
+    full_scores = kv_head_scores(queries, full_k, new_keys)  # [Hkv, P]
+    if forced is not None:
+        full_scores[:, forced] += 1e9
+    rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = layout.gather(units, blocks, rows)
     return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, importance)

@@ -41,7 +41,8 @@ class S3Backend(RemoteBackend):
         config.setdefault("read_timeout", opts.pop("read_timeout"))
         config.setdefault("retries", {"max_attempts": 1})
         config.setdefault("max_pool_connections", 32)  # ranges of a read are fetched concurrently
-        self.fs = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True, **opts)
+        # no listings cache: `head` must see objects other hosts added (or removed) after a `list`
+        self.fs = s3fs.S3FileSystem(config_kwargs=config, skip_instance_cache=True, **{"use_listings_cache": False, **opts})
         self.fs.retries = max(1, retries)
         self.root = f"{bucket}/{prefix}".rstrip("/")
         self.bucket = bucket

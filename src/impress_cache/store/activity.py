@@ -39,15 +39,6 @@ class Activity:
         """Something used the store just now (a match, a read)."""
         self._last = self._clock()
 
-    @property
-    def active(self) -> int:
-        return self._active
-
-    def idle_for(self) -> float:
-        """Seconds since the store was last used (0 while anything is in progress)."""
-        with self._cond:
-            return 0.0 if self._active else max(0.0, self._clock() - self._last)
-
     def wait_idle(self, seconds: float, stop: threading.Event | None = None) -> bool:
         """Block until the store has been idle for ``seconds``; False if ``stop`` was set."""
         while stop is None or not stop.is_set():

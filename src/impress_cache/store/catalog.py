@@ -248,7 +248,8 @@ class Catalog:
                 new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
                 self.index.reparent(conn, node.id, new_id)
                 self.index.delete_node(conn, node.id)
-                dropped = self.drop_unreferenced_files(conn)
+                old_file = self.drop_file_if_unreferenced(conn, node.file_id)  # the only one that can go
+                dropped = [old_file] if old_file is not None else []
                 record = self.index.file(file_id)
             assert record is not None
             self._add_record(record)

@@ -136,7 +136,9 @@ class StoreGC:
         write (it never deletes files it did not create).
         """
         catalog = self._catalog
-        known = {rec.name for rec in catalog.records.values()}  # the index as the catalog loaded it
+        # the index as it is now (not as the catalog loaded it: another process may have
+        # committed a file since)
+        known = set(catalog.index.file_names().values())
         foreign, orphans = [], []
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name
@@ -265,6 +267,9 @@ class StoreGC:
             # which reads treat as a damaged file (quarantine, recompute); the next
             # durable commit makes it durable
             with catalog.index.transaction(durable=False) as conn:
+                # under the write lock: a leaf another process extended since the refresh
+                # above is seen to have children now (its removal would orphan them)
+                catalog.refresh()
                 while used > budget and len(victims) < BATCH:
                     node = self._next_candidate(protected, now, seen, aside, grace)
                     if node is None:

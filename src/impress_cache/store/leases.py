@@ -118,7 +118,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._held: Counter[int] = Counter()
         self._matched_at: dict[int, float] = {}
-        self._doomed: dict[int, str] = {}
+        self._doomed: dict[int, tuple[str, Callable[[], None] | None]] = {}
 
     def note(self, match: Match) -> None:
         """Start the grace period of a match's files."""
@@ -128,11 +128,6 @@ class LeaseTable:
                 self._matched_at = {k: t for k, t in self._matched_at.items() if now - t < self.grace_s}
             for seg in match.segments:
                 self._matched_at[seg.file_id] = now
-
-    def in_use(self, file_id: int, now: float) -> bool:
-        """Leased, or matched within the grace period."""
-        with self._lock:
-            return self._held[file_id] > 0 or now - self._matched_at.get(file_id, -float("inf")) < self.grace_s
 
     def protection(self, file_id: int, now: float) -> int:
         """``LEASED`` (a request holds it), ``GRACE`` (matched within the grace period,
@@ -164,23 +159,30 @@ class LeaseTable:
     def release(self, file_ids: Iterable[int], request: bool = True) -> None:
         if request and self._activity is not None:
             self._activity.leave()
-        unlink = []
+        due = []
         with self._lock:
             for fid in file_ids:
                 self._held[fid] -= 1
                 if self._held[fid] <= 0:
                     del self._held[fid]
                     if fid in self._doomed:
-                        unlink.append(self._doomed.pop(fid))
-        for name in unlink:
-            self._unlink(name)
+                        due.append(self._doomed.pop(fid))
+        for name, before in due:
+            self._drop(name, before)
 
-    def defer_unlink(self, file_id: int, name: str) -> bool:
-        """Unlink a file now, or when its last lease goes; True if it was deferred."""
+    def defer_unlink(self, file_id: int, name: str, before: Callable[[], None] | None = None) -> bool:
+        """Unlink a file now, or when its last lease goes; True if it was deferred.
+        ``before`` runs just before the unlink (e.g. closing this process's descriptor
+        of the file, which a reader holding the lease may still be using)."""
         with self._lock:
             if self._held[file_id] > 0:
-                self._doomed[file_id] = name
+                self._doomed[file_id] = (name, before)
                 return True
             self._held.pop(file_id, None)
-        self._unlink(name)
+        self._drop(name, before)
         return False
+
+    def _drop(self, name: str, before: Callable[[], None] | None) -> None:
+        if before is not None:
+            before()
+        self._unlink(name)

@@ -85,7 +85,11 @@ class SeaweedServer:
         log = open(self.data_dir / "weed.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # a server that did not come up leaves nothing running or behind
+            raise
         return self
 
     def _wait_ready(self) -> None:

@@ -96,24 +96,47 @@ class RemoteFiles:
         self._backend = backend
         self._on_fetch = on_fetch  # (ranges, bytes) fetched
         self._files: dict[str, _Lazy] = {}
+        self._plain: set[str] = set()  # files known to have no sidecar
         self._lock = threading.Lock()
         for side in self.dir.glob("*.json"):
-            local = side.stem + ".safetensors"
-            try:
-                os.stat(local, dir_fd=chunks_fd)
-                d = json.loads(side.read_text())
-                self._files[local] = _Lazy(d["object"], int(d["size"]), int(d["data_start"]), [tuple(r) for r in d["present"]])
-            except (OSError, ValueError, KeyError, TypeError):
+            self._load(side.stem + ".safetensors", drop_bad=True)
+
+    def _load(self, local: str, drop_bad: bool = False) -> _Lazy | None:
+        """The sidecar of ``local`` (written by this or another process sharing the
+        directory), installed; ``None`` if it has none."""
+        side = self.dir / (local.split(".")[0] + ".json")
+        try:
+            os.stat(local, dir_fd=self._chunks_fd)
+            d = json.loads(side.read_text())
+            lz = _Lazy(d["object"], int(d["size"]), int(d["data_start"]), [tuple(r) for r in d["present"]])
+        except (OSError, ValueError, KeyError, TypeError):
+            if drop_bad:
                 side.unlink(missing_ok=True)  # its chunk file is gone, or the sidecar is damaged
+            return None
+        with self._lock:
+            return self._files.setdefault(local, lz)
+
+    def _get(self, local: str) -> _Lazy | None:
+        with self._lock:
+            lz = self._files.get(local)
+            if lz is not None or local in self._plain:
+                return lz
+        # first sight of a file another process of this directory committed: its sidecar
+        # (written before the commit) says whether it is linked; a file without one never
+        # becomes linked, so the answer is remembered
+        lz = self._load(local) if local.endswith(".safetensors") else None
+        if lz is None:
+            with self._lock:
+                self._plain.add(local)
+        return lz
 
     def linked(self, local: str) -> bool:
         """Whether blocks of a local file may still have to come from the remote."""
-        return local in self._files
+        return self._get(local) is not None
 
     def object_of(self, local: str) -> str | None:
         """The remote object a lazily filled local file stands for."""
-        with self._lock:
-            lz = self._files.get(local)
+        lz = self._get(local)
         return None if lz is None else lz.object
 
     def create(self, local: str, obj: str, size: int, header: bytes) -> None:
@@ -154,8 +177,7 @@ class RemoteFiles:
     def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Make the blocks at ``offsets`` (``sizes`` bytes each) of a local file present,
         fetching what is missing; raises `CorruptBlockError` if the remote cannot serve it."""
-        with self._lock:
-            lz = self._files.get(local)
+        lz = self._get(local)
         if lz is None:
             return
         want = [(int(a), int(a) + int(n)) for a, n in zip(offsets.tolist(), sizes.tolist())]

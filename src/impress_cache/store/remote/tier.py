@@ -232,6 +232,9 @@ class RemoteTier:
             return  # the prefix it extends is not here (removed meanwhile)
         try:
             self.files.create(name, entry.object, entry.size, head)
+        except FileExistsError:
+            return  # another process of this directory linked it first: its file, not ours to remove
+        try:
             done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
         except BaseException:
             self.files.drop(name)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import ImpressError
 from ...index.radix import RadixNode
 from ...index.sqlite import FileRecord, NewFile
 from ..activity import Activity
@@ -157,6 +158,9 @@ class Reorganizer:
         catalog = self._catalog
         with catalog.lock:
             catalog.refresh()
+            # statistics of nodes that are gone (evicted, quarantined, split or replaced
+            # by another process) are dropped here, once per pass
+            self._importance.keep_only(lambda i: catalog.tree.get(i) is not None)
             ids = self._importance.pending(1 if force else self.min_requests)
             nodes = [catalog.tree.get(i) for i in ids]
         plans = []
@@ -189,6 +193,11 @@ class Reorganizer:
                     nbytes = self._rewrite(p)
                 except _Stopped:
                     break
+                except (ImpressError, OSError) as exc:  # e.g. its file was evicted or damaged meanwhile
+                    log.warning("reordering node %d failed (%s); it keeps its order", p.node.id, exc)
+                    self._importance.settle(p.node.id)  # not tried again before new requests
+                    self.counters.abandoned += 1
+                    nbytes = None
                 if nbytes is None:
                     out["abandoned"] += 1
                 else:

@@ -11,6 +11,7 @@ the memory tiers' statistics of the new blocks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -142,10 +143,11 @@ class Reordering:
         self, old: RadixNode, new: RadixNode, file_id: int, dropped: list[FileRecord], order: np.ndarray
     ) -> None:
         catalog = self._catalog
-        with catalog.lock:
-            catalog.forget({rec.id for rec in dropped}, dropped)
         for rec in dropped:
-            self._leases.defer_unlink(rec.id, rec.name)
+            # a request that leased the old node may be reading the old file: this
+            # process closes its descriptor only when the last lease goes, then unlinks
+            forget = functools.partial(catalog.forget, (rec.id,), (rec,))
+            self._leases.defer_unlink(rec.id, rec.name, before=forget)
         self.importance.move(old.id, new.id)
         self.importance.settle(new.id)
         self._values.inherit(old.id, [new.id])
