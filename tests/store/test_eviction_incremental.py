@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, example, given, settings
 
