@@ -2,9 +2,10 @@
 
 No torch. Every node is an edge label (a run of token ids) plus the location of those
 tokens' K/V rows: rows ``file_row .. file_row + length`` of chunk file ``file_id``. A
-node's tokens are a numpy view into the token array of its file (each token once in
-memory, four bytes). The tree holds every prefix of every inserted sequence, so a prompt
-that diverges in the middle of a stored one still matches their common part.
+node's tokens are a run of the token array of its file (each token once in memory: in
+one shared buffer of two or four bytes per token for a tree loaded from the index). The
+tree holds every prefix of every inserted sequence, so a prompt that diverges in the
+middle of a stored one still matches their common part.
 
 Nodes are immutable once in the tree: a split replaces a node by two new nodes (the
 upper one keeps the first rows of the same file, the lower one the rest, with the old
@@ -15,8 +16,9 @@ has committed them (`apply`), with the ids the index gave the new nodes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -31,42 +33,84 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
-class RadixNode:
-    """One edge of the tree and the rows that hold its tokens' K/V."""
+#: the children of a leaf (read-only: the tree gives a node a dict of its own when it
+#: gets its first child)
+_NO_CHILDREN: Mapping[int, RadixNode] = MappingProxyType({})
 
-    __slots__ = ("id", "tokens", "file_id", "file_row", "parent", "children", "terminal")
+
+class RadixNode:
+    """One edge of the tree and the rows that hold its tokens' K/V.
+
+    Compact: the tokens are ``_n`` ids from ``_off`` on in a shared array (``tokens`` is
+    a view made when asked for), and a leaf has no children dict of its own.
+    """
+
+    __slots__ = ("id", "_buf", "_off", "_n", "file_id", "file_row", "parent", "_kids", "terminal")
 
     def __init__(
         self, node_id: int, tokens: np.ndarray, file_id: int, file_row: int, parent: RadixNode | None, terminal: int = 0
     ) -> None:
         self.id = node_id
-        self.tokens = tokens
+        self._buf = tokens
+        self._off = 0
+        self._n = len(tokens)
         self.file_id = file_id
         self.file_row = file_row
         self.parent = parent
-        #: children by their first token
-        self.children: dict[int, RadixNode] = {}
+        self._kids: dict[int, RadixNode] | None = None
         #: number of stored sequences that end exactly at this node
         self.terminal = terminal
 
+    @classmethod
+    def view(
+        cls, node_id: int, buf: np.ndarray, off: int, n: int, file_id: int, file_row: int, parent: RadixNode | None,
+        terminal: int = 0,
+    ) -> RadixNode:
+        """A node whose tokens are ``buf[off : off + n]`` (no view made until asked)."""
+        node = cls.__new__(cls)
+        node.id, node._buf, node._off, node._n = node_id, buf, off, n
+        node.file_id, node.file_row, node.parent, node._kids, node.terminal = file_id, file_row, parent, None, terminal
+        return node
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The node's token ids (a view; ``int32``, or ``uint16`` for nodes loaded from an
+        index whose ids all fit)."""
+        return self._buf[self._off : self._off + self._n]
+
+    @property
+    def children(self) -> Mapping[int, RadixNode]:
+        """Children by their first token (change them through `RadixTree` only)."""
+        kids = self._kids
+        return _NO_CHILDREN if kids is None else kids
+
+    @children.setter
+    def children(self, value: Mapping[int, RadixNode]) -> None:
+        self._kids = dict(value) if value else None
+
+    def _own_children(self) -> dict[int, RadixNode]:
+        if self._kids is None:
+            self._kids = {}
+        return self._kids
+
     @property
     def length(self) -> int:
-        return len(self.tokens)
+        return self._n
 
     @property
     def depth(self) -> int:
         """Number of tokens from the root to the end of this node."""
         n, node = 0, self
         while node is not None:
-            n += len(node.tokens)
+            n += node._n
             node = node.parent
         return n
 
     def is_leaf(self) -> bool:
-        return not self.children
+        return not self._kids
 
     def __repr__(self) -> str:
-        return f"RadixNode(id={self.id}, file={self.file_id}, rows={self.file_row}+{len(self.tokens)})"
+        return f"RadixNode(id={self.id}, file={self.file_id}, rows={self.file_row}+{self._n})"
 
 
 @dataclass(frozen=True)
@@ -148,7 +192,7 @@ class RadixTree:
             n = _common_length(child.tokens, arr[pos:limit])
             segments.append(Segment(child, n))
             pos += n
-            if n < len(child.tokens):
+            if n < child._n:
                 break
             node = child
         return Match(pos, tuple(segments))
@@ -206,17 +250,20 @@ class RadixTree:
         """Replace ``node`` by an upper node (its first ``k`` tokens) and a lower node (the
         rest, with its children and terminal count). ``node`` itself is left as it was,
         detached, for requests that matched it."""
-        if not 0 < k < len(node.tokens):
-            raise ValueError(f"cannot split a node of {len(node.tokens)} tokens at {k}")
+        if not 0 < k < node._n:
+            raise ValueError(f"cannot split a node of {node._n} tokens at {k}")
         parent = node.parent
         assert parent is not None and parent.children.get(int(node.tokens[0])) is node
-        upper = RadixNode(self._free(upper_id), node.tokens[:k], node.file_id, node.file_row, parent)
-        lower = RadixNode(self._free(lower_id), node.tokens[k:], node.file_id, node.file_row + k, upper, node.terminal)
-        lower.children = dict(node.children)
+        upper = RadixNode.view(self._free(upper_id), node._buf, node._off, k, node.file_id, node.file_row, parent)
+        lower = RadixNode.view(
+            self._free(lower_id), node._buf, node._off + k, node._n - k, node.file_id, node.file_row + k, upper,
+            node.terminal,
+        )
+        lower.children = node.children
         for child in lower.children.values():
             child.parent = lower
-        upper.children[int(lower.tokens[0])] = lower
-        parent.children[int(upper.tokens[0])] = upper
+        upper._own_children()[int(lower.tokens[0])] = lower
+        parent._own_children()[int(upper.tokens[0])] = upper
         self._nodes[upper.id] = upper
         self._nodes[lower.id] = lower
         del self._nodes[node.id]
@@ -228,11 +275,11 @@ class RadixTree:
         itself is left as it was, detached, for requests that matched it."""
         parent = node.parent
         assert parent is not None and parent.children.get(int(node.tokens[0])) is node
-        new = RadixNode(self._free(node_id), node.tokens, file_id, file_row, parent, node.terminal)
-        new.children = dict(node.children)
+        new = RadixNode.view(self._free(node_id), node._buf, node._off, node._n, file_id, file_row, parent, node.terminal)
+        new.children = node.children
         for child in new.children.values():
             child.parent = new
-        parent.children[int(node.tokens[0])] = new
+        parent._own_children()[int(node.tokens[0])] = new
         self._nodes[new.id] = new
         del self._nodes[node.id]
         return new
@@ -247,8 +294,29 @@ class RadixTree:
         if int(tokens[0]) in parent.children:
             raise ValueError(f"parent {parent.id} already has a child starting with {int(tokens[0])}")
         node = RadixNode(self._free(node_id), tokens, file_id, file_row, parent, terminal)
-        parent.children[int(tokens[0])] = node
+        parent._own_children()[int(tokens[0])] = node
         self._nodes[node.id] = node
+        return node
+
+    def attach(
+        self, parent: RadixNode, node_id: int, buf: np.ndarray, off: int, n: int, file_id: int, file_row: int,
+        terminal: int = 0, first: int | None = None,
+    ) -> RadixNode:
+        """`add_child` for a loader: the node's tokens are ``buf[off : off + n]``, kept as
+        they are (``uint16`` or ``int32``), not copied (``first``: ``int(buf[off])``, if
+        the caller has it)."""
+        if n < 1:
+            raise ValueError("a node needs at least one token")
+        if first is None or first != buf[off]:
+            first = int(buf[off])
+        kids = parent._own_children()
+        if first in kids:
+            raise ValueError(f"parent {parent.id} already has a child starting with {first}")
+        if node_id in self._nodes:
+            raise ValueError(f"node id {node_id} is already used")
+        node = RadixNode.view(node_id, buf, off, n, file_id, file_row, parent, terminal)
+        kids[first] = node
+        self._nodes[node_id] = node
         return node
 
     def remove(self, node: RadixNode) -> None:
@@ -257,8 +325,11 @@ class RadixTree:
             raise ValueError("the root cannot be removed")
         if node.children:
             raise ValueError(f"node {node.id} has children; remove them first")
-        assert node.parent is not None
-        del node.parent.children[int(node.tokens[0])]
+        parent = node.parent
+        assert parent is not None and parent._kids is not None
+        del parent._kids[int(node._buf[node._off])]
+        if not parent._kids:
+            parent._kids = None
         del self._nodes[node.id]
 
     def subtree(self, node: RadixNode) -> list[RadixNode]:

@@ -22,7 +22,6 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 from ..errors import ReadOnlyStoreError, StoreFormatError
 from .guard import _DAMAGE, _check_regular, _guarded, index_error
 from ..storage.base import BlockKey
+from .files import FileRecord, FileTable, NewFile, check_record
 from .radix import RadixTree
 
 from .schema import SCHEMA, SCHEMA_VERSION, WAL_LIMIT
@@ -41,63 +41,8 @@ _FILE_COLUMNS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class FileRecord:
-    """One chunk file as the index records it (without its block table)."""
-
-    id: int
-    name: str
-    format: str
-    #: position, in its prompt, of the file's first row
-    first_pos: int
-    n_tokens: int
-    chunk_tokens: int
-    layers: int
-    #: bytes of the blocks (K/V and probe pieces)
-    nbytes: int
-    #: bytes the file takes on disk (header, padding and the file system's block
-    #: rounding included: the larger of its size and its allocated blocks)
-    file_bytes: int
-    #: token ids of the file's rows (``int32 [n_tokens]``)
-    tokens: np.ndarray
-    #: SHA-256 of the token ids before the first row
-    context: bytes
-    #: whether the rows are stored in their own order per layer (`Index.file_perm`)
-    reordered: bool = False
-
-    @property
-    def blocks(self) -> int:
-        """Blocks per layer."""
-        return -(-self.n_tokens // self.chunk_tokens)
-
-
-@dataclass(frozen=True)
-class NewFile:
-    """What a writer hands to `Index.add_file`."""
-
-    name: str
-    format: str
-    first_pos: int
-    tokens: np.ndarray
-    context: bytes
-    chunk_tokens: int
-    layers: int
-    offsets: np.ndarray  # int64 [2, layers, blocks]
-    checksums: np.ndarray  # uint32 [2, layers, blocks]
-    nbytes: int
-    file_bytes: int
-    #: ``perm[layer, r]``: the physical row of logical row ``r`` (None: prompt order)
-    perm: np.ndarray | None = None
-
-
 def _record(row: tuple) -> FileRecord:
-    rec = FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11]))
-    if (
-        len(rec.tokens) != rec.n_tokens or len(rec.context) != 32 or rec.first_pos < 0 or rec.n_tokens < 1
-        or rec.chunk_tokens < 1 or rec.layers < 1
-    ):
-        raise ValueError(f"file {rec.id} ({rec.name!r}) has a malformed record")
-    return rec
+    return check_record(FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11])))
 
 
 class Index:
@@ -391,10 +336,11 @@ class Index:
         conn.execute("DELETE FROM node_importance WHERE node_id=?", (node_id,))
         conn.execute("DELETE FROM nodes WHERE id=?", (node_id,))
 
-    def load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
-        """Rebuild the radix tree from the node table; node tokens are views of their
-        files' token arrays (the blob wrapped, not converted). Returns the tree and the
-        file records by id. The cyclic garbage collector is paused meanwhile (the load
+    def load_tree(self) -> tuple[RadixTree, FileTable]:
+        """Rebuild the radix tree from the node table, in time proportional to the number
+        of nodes and files: file rows are streamed into a `FileTable` (their token blobs
+        copied into one buffer), node rows become compact nodes whose tokens are runs of
+        that buffer. Returns the tree and the file records by id. The cyclic garbage collector is paused meanwhile (the load
         makes a few objects per node and no garbage; collections would walk them all)."""
         paused = gc.isenabled()
         gc.disable()
@@ -404,38 +350,71 @@ class Index:
             if paused:
                 gc.enable()
 
-    def _load_tree(self) -> tuple[RadixTree, dict[int, FileRecord]]:
+    def _load_tree(self) -> tuple[RadixTree, FileTable]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT id, parent, file_id, file_row, length, terminal FROM nodes ORDER BY id"
-            ).fetchall()
-        files = {f.id: f for f in self.files()}
-        tree = RadixTree()
-        pending: dict[int, list[tuple]] = {}
-        for row in rows:
-            pending.setdefault(row[1], []).append(row)
-        stack = [0]
-        while stack:
-            parent = tree.node(stack.pop())
-            for node_id, _, file_id, file_row, length, terminal in pending.pop(parent.id, []):
-                f = files.get(file_id)
-                if f is None or file_row < 0 or length < 1 or file_row + length > f.n_tokens:
-                    raise StoreFormatError(
-                        f"the index {self.path} is damaged: node {node_id} points at rows "
-                        f"{file_row}..{file_row + length} of file {file_id}, which "
-                        + ("is not indexed" if f is None else f"has {f.n_tokens} rows")
-                        + ". Rebuild the index with `impress-cache verify --repair`."
-                    )
-                tokens = f.tokens if file_row == 0 and length == f.n_tokens else f.tokens[file_row : file_row + length]
-                tree.add_child(parent, tokens, file_id, file_row, node_id, terminal)
-                stack.append(node_id)
-        if pending:
-            orphans = sum(len(v) for v in pending.values())
+            own = not self._conn.in_transaction  # one snapshot of both tables
+            if own:
+                self._conn.execute("BEGIN")
+            try:
+                files = self._load_files()
+                cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
+                parts = [np.zeros((0, 6), np.int64)]
+                while rows := cur.fetchmany(4096):
+                    parts.append(np.array(rows, dtype=np.int64).reshape(-1, 6))
+            finally:
+                if own:
+                    self._conn.execute("COMMIT")
+        nodes = np.concatenate(parts)
+        del parts, rows
+        found, n_tokens, start = files.rows_of(nodes[:, 2])
+        bad = ~found | (nodes[:, 3] < 0) | (nodes[:, 4] < 1) | (nodes[:, 3] + nodes[:, 4] > n_tokens)
+        if bad.any():
+            node_id, _, file_id, file_row, length, _ = nodes[np.flatnonzero(bad)[0]].tolist()
             raise StoreFormatError(
-                f"the index {self.path} is damaged: {orphans} node(s) have no parent. "
+                f"the index {self.path} is damaged: node {node_id} points at rows "
+                f"{file_row}..{file_row + length} of file {file_id}, which "
+                + ("is not indexed" if not found[bad][0] else f"has {int(n_tokens[bad][0])} rows")
+                + ". Rebuild the index with `impress-cache verify --repair`."
+            )
+        # children grouped by parent; parents attached before their children
+        order = np.argsort(nodes[:, 1], kind="stable")
+        nodes = nodes[order]
+        offs = (start[order] + nodes[:, 3]).tolist()
+        parents = nodes[:, 1]
+        keys, first = np.unique(parents, return_index=True)
+        bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
+        ids, fids, frows, lengths, terms = (nodes[:, c].tolist() for c in (0, 2, 3, 4, 5))
+        buf = files.tokens
+        ints: dict[int, int] = {}  # one int object per file id and per first token
+        firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offs, max(0, len(buf) - 1))].tolist()] if offs else []
+        tree = RadixTree()
+        attach = tree.attach
+        stack = [tree.root]
+        placed = 0
+        while stack:
+            parent = stack.pop()
+            span = bounds.pop(parent.id, None)
+            if span is None:
+                continue
+            for j in range(*span):
+                fid = ints.setdefault(fids[j], fids[j])
+                stack.append(attach(parent, ids[j], buf, offs[j], lengths[j], fid, frows[j], terms[j], firsts[j]))
+            placed += span[1] - span[0]
+        if placed != len(ids):
+            raise StoreFormatError(
+                f"the index {self.path} is damaged: {len(ids) - placed} node(s) have no parent. "
                 "Rebuild the index with `impress-cache verify --repair`."
             )
         return tree, files
+
+    def _load_files(self) -> FileTable:
+        """Every file row as a `FileTable` (under the lock, in a read transaction)."""
+        _, total = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM files").fetchone()
+        builder = FileTable.Builder(total)
+        cur = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files ORDER BY id")
+        while rows := cur.fetchmany(512):  # a chunk at a time: little transient memory
+            builder.add_rows(rows)
+        return builder.build()
 
     # -- block statistics (cold start of the memory tiers) ------------------------------
     def save_block_stats(self, records: dict[BlockKey, dict[str, Any]], saved_at: float) -> int:
@@ -523,16 +502,17 @@ class Index:
             for r in rows
         }
 
-    def load_node_stats(self) -> list[tuple[int, dict[str, Any]]]:
+    def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """Saved per-node statistics of nodes still in the index, as columns: node ids
+        (``int64``, increasing) and ``float64 [n, 6]`` of ``count, freq, share, age_s,
+        seq, saved_at`` (wall-clock seconds)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats "
-                "WHERE node_id IN (SELECT id FROM nodes)"
+                "SELECT s.node_id, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at FROM node_stats s "
+                "JOIN nodes n ON n.id = s.node_id ORDER BY s.node_id"
             ).fetchall()
-        return [
-            (r[0], {"count": r[1], "freq": r[2], "share": r[3], "age_s": r[4], "seq": r[5], "saved_at": r[6]})
-            for r in rows
-        ]
+        cols = np.array(rows, dtype=np.float64).reshape(-1, 7)
+        return cols[:, 0].astype(np.int64), np.ascontiguousarray(cols[:, 1:])
 
 
 for _name, _fn in list(vars(Index).items()):

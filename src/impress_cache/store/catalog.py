@@ -27,7 +27,8 @@ import numpy as np
 
 from ..errors import CorruptBlockError, StoreFormatError
 from ..index.radix import Match, RadixNode, RadixTree, as_tokens
-from ..index.sqlite import FileRecord, Index, NewFile
+from ..index.files import FileRecord, FileTable, NewFile
+from ..index.sqlite import Index
 from ..storage.base import BlockTable, context_digest, file_seed
 
 log = logging.getLogger(__name__)
@@ -82,28 +83,25 @@ class Catalog:
         self._open: dict[int, OpenFile] = {}
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.tree: RadixTree
-        self.records: dict[int, FileRecord] = {}
-        #: bytes the indexed chunk files take on disk (sum of their records' ``file_bytes``)
-        self.chunk_bytes = 0
+        #: the indexed files' records by id (compact columns, records made when asked for)
+        self.records = FileTable()
         self._load()
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes the indexed chunk files take on disk (sum of their records' ``file_bytes``)."""
+        return self.records.file_bytes
+
     def _load(self) -> None:
-        self.tree, records = self.index.load_tree()
-        self.records = records
-        self.chunk_bytes = sum(r.file_bytes for r in records.values())
-        self._on_leaves([n.id for n in self.tree.nodes() if not n.children], True)
+        self.tree, self.records = self.index.load_tree()
+        # a generator: only a store that keeps an eviction order walks the tree for it
+        self._on_leaves((n.id for n in self.tree.nodes() if n.is_leaf()), True)
 
     def _add_record(self, record: FileRecord) -> None:
-        old = self.records.get(record.id)
-        if old is not None:
-            self.chunk_bytes -= old.file_bytes
         self.records[record.id] = record
-        self.chunk_bytes += record.file_bytes
 
     def _drop_record(self, file_id: int) -> None:
-        old = self.records.pop(file_id, None)
-        if old is not None:
-            self.chunk_bytes -= old.file_bytes
+        self.records.pop(file_id, None)
 
     def close(self) -> None:
         with self.lock:
@@ -150,7 +148,7 @@ class Catalog:
         """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
             self._load()
-            self.forget(set(self._open) - set(self.records))
+            self.forget({fid for fid in self._open if fid not in self.records})
 
     def commit_prompt(
         self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None

@@ -136,9 +136,11 @@ class StoreGC:
         write (it never deletes files it did not create).
         """
         catalog = self._catalog
-        # the index as it is now (not as the catalog loaded it: another process may have
-        # committed a file since)
-        known = set(catalog.index.file_names().values())
+        # the index as it is now (the catalog reloads if another process committed since
+        # it loaded; its file table, not a second read of the index's)
+        with catalog.lock:
+            catalog.refresh()
+            known = catalog.records.names()
         foreign, orphans = [], []
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
 from ..tiers import TierManager
@@ -41,6 +43,18 @@ def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, 
             "freq_time": now - down,
             "last_access": now - down - float(rec["age_s"]),
         }
+    return out
+
+
+def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
+    """`rebase` of `Index.load_node_stats`'s columns: ``float64 [n, 6]`` of ``count,
+    freq, share, seq, freq_time, last_access``."""
+    down = np.maximum(0.0, time.time() - cols[:, 5])
+    out = np.empty((len(cols), 6), np.float64)
+    out[:, 0], out[:, 1], out[:, 3] = cols[:, 0], cols[:, 1], cols[:, 4]
+    out[:, 2] = np.clip(cols[:, 2], 0.0, 1.0)
+    out[:, 4] = now - down
+    out[:, 5] = now - down - cols[:, 3]
     return out
 
 
@@ -111,7 +125,8 @@ class StatsKeeper:
     def load(self) -> int:
         """Install the saved statistics; returns the number of block records."""
         now = self._tiers.now()
-        self._nodes.load(rebase(self._index.load_node_stats(), now).items())
+        ids, cols = self._index.load_node_stats()
+        self._nodes.load_saved(ids, rebase_columns(cols, now))
         if self._importance is not None:
             self._importance.load(self._index.load_importance())
         rows = self._index.load_block_stats()

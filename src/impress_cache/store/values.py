@@ -16,6 +16,10 @@ is time-invariant (it changes only when the node's statistics do), so the item a
 top is always the node with the lowest current key. Whether a popped node is still a
 leaf of the tree, and free to go, is the caller's check. Stale items are dropped in bulk
 when the heap holds more than four times as many items as nodes it knows.
+
+Statistics saved in the index are kept as columns when the store opens (`load_saved`)
+and become policy records only when their node is used (accessed, split, ordered for
+the disk budget): a store without a disk budget holds a few dozen bytes per node.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from ..tiers.policies.base import EvictionPolicy
 
@@ -44,12 +50,59 @@ class NodeValues:
         #: whether the heap is kept (from the first `reset_order(..., start=True)` on: a
         #: store without a disk budget pays nothing for it)
         self.ordering = False
+        #: saved statistics not yet made policy records (`load_saved`): node ids
+        #: (increasing), their columns and which are still waiting
+        self._saved_ids = np.zeros(0, np.int64)
+        self._saved = np.zeros((0, 6), np.float64)
+        self._waiting = np.zeros(0, bool)
+
+    # -- saved statistics, installed when first needed -------------------------------------
+    def load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
+        """Keep saved statistics (``count, freq, share, seq, freq_time, last_access`` per
+        node, on this store's clock) until their nodes are used. Raises `ConfigError`
+        (as the policy does) for impossible values."""
+        count, freq, share = cols[:, 0], cols[:, 1], cols[:, 2]
+        bad = (count < 0) | ~(freq >= 0) | ~((share >= 0) & (share <= 1))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            self._install_row(int(ids[i]), cols[i])  # the policy names what is wrong
+        with self._lock:
+            self._saved_ids, self._saved = ids, cols
+            self._waiting = np.ones(len(ids), bool)
+            if len(ids):  # the newest one now: later accesses count as more recent than all
+                self._take(int(ids[int(np.argmax(cols[:, 3]))]))
+        return len(ids)
+
+    def _install_row(self, node_id: int, row: np.ndarray) -> None:
+        self._policy.load_stats(node_id, {
+            "count": int(row[0]), "freq": float(row[1]), "share": float(row[2]), "seq": int(row[3]),
+            "freq_time": float(row[4]), "last_access": float(row[5]),
+        })
+
+    def _take(self, node_id: int) -> None:
+        """Install the saved statistics of ``node_id`` if they are still waiting (under the lock)."""
+        ids = self._saved_ids
+        if not len(ids):
+            return
+        i = int(np.searchsorted(ids, node_id))
+        if i < len(ids) and ids[i] == node_id and self._waiting[i]:
+            self._waiting[i] = False
+            if node_id not in self._policy:
+                self._install_row(node_id, self._saved[i])
+
+    def _drop_saved(self, node_id: int) -> None:
+        ids = self._saved_ids
+        if len(ids):
+            i = int(np.searchsorted(ids, node_id))
+            if i < len(ids) and ids[i] == node_id:
+                self._waiting[i] = False
 
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
         now = self._clock()
         with self._lock:
             for node_id in node_ids:
+                self._take(node_id)
                 self._policy.on_access(node_id, now, share)
                 self.dirty.add(node_id)
                 self._push(node_id, now)
@@ -57,6 +110,7 @@ class NodeValues:
     def seed(self, node_id: int) -> None:
         with self._lock:
             now = self._clock()
+            self._take(node_id)
             self._policy.seed(node_id, now, 1.0)
             self.dirty.add(node_id)
             self._push(node_id, now)
@@ -65,6 +119,7 @@ class NodeValues:
         with self._lock:
             now = self._clock()
             new_ids = list(new_ids)
+            self._take(old_id)
             if old_id in self._policy:
                 record = self._policy.stats_of(old_id)
                 for node_id in new_ids:
@@ -78,6 +133,7 @@ class NodeValues:
     def forget(self, node_ids: Iterable[int]) -> None:
         with self._lock:
             for node_id in node_ids:
+                self._drop_saved(node_id)
                 self._policy.forget(node_id)
                 self.dirty.discard(node_id)
                 self._queued.discard(node_id)
@@ -85,10 +141,12 @@ class NodeValues:
     def sort_key(self, node_id: int) -> tuple[float, int]:
         """Eviction order: lower goes first (see `EvictionPolicy.sort_key`)."""
         with self._lock:
+            self._take(node_id)
             return self._policy.sort_key(node_id, self._clock())
 
     def priority(self, node_id: int) -> float:
         with self._lock:
+            self._take(node_id)
             return float(self._policy.priority(node_id, self._clock()))
 
     def export(self) -> dict[int, dict[str, Any]]:
@@ -103,6 +161,7 @@ class NodeValues:
         with self._lock:
             now = self._clock()
             for node_id, rec in records:
+                self._drop_saved(node_id)
                 self._policy.load_stats(node_id, rec)
                 self._push(node_id, now)
                 n += 1
@@ -134,6 +193,8 @@ class NodeValues:
             self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
+            for n in self._queued:
+                self._take(n)
             self._heap = [(self._policy.sort_key(n, now), n) for n in self._queued]
             heapq.heapify(self._heap)
 
@@ -161,6 +222,7 @@ class NodeValues:
     def _push(self, node_id: int, now: float) -> None:
         if not self.ordering:
             return
+        self._take(node_id)
         heapq.heappush(self._heap, (self._policy.sort_key(node_id, now), node_id))
         self._queued.add(node_id)
         if len(self._heap) > _COMPACT_MIN and len(self._heap) > 4 * len(self._queued):

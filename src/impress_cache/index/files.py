@@ -1,0 +1,314 @@
+"""The chunk files an index records, held compactly in memory.
+
+A store of millions of stored tokens has tens of thousands of chunk files. `FileTable`
+keeps the files loaded from the index as columns (numpy arrays: a few dozen bytes per
+file) and the token ids of all of them in one shared buffer (``uint16`` when every id
+fits, else ``int32``), and hands out a `FileRecord` only when one is asked for. Files
+added or replaced after the load are kept as records (as before: a few hundred bytes
+each) until the next load. No SQL here: `sqlite.Index.load_tree` streams the rows in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+#: names the store gives its chunk files, kept as 16 bytes plus a suffix code
+_NAME = re.compile(r"^([0-9a-f]{32})\.([a-z0-9]{1,16})$")
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One chunk file as the index records it (without its block table)."""
+
+    id: int
+    name: str
+    format: str
+    #: position, in its prompt, of the file's first row
+    first_pos: int
+    n_tokens: int
+    chunk_tokens: int
+    layers: int
+    #: bytes of the blocks (K/V and probe pieces)
+    nbytes: int
+    #: bytes the file takes on disk (header, padding and the file system's block
+    #: rounding included: the larger of its size and its allocated blocks)
+    file_bytes: int
+    #: token ids of the file's rows (``int32 [n_tokens]``)
+    tokens: np.ndarray
+    #: SHA-256 of the token ids before the first row
+    context: bytes
+    #: whether the rows are stored in their own order per layer (`Index.file_perm`)
+    reordered: bool = False
+
+    @property
+    def blocks(self) -> int:
+        """Blocks per layer."""
+        return -(-self.n_tokens // self.chunk_tokens)
+
+
+@dataclass(frozen=True)
+class NewFile:
+    """What a writer hands to `Index.add_file`."""
+
+    name: str
+    format: str
+    first_pos: int
+    tokens: np.ndarray
+    context: bytes
+    chunk_tokens: int
+    layers: int
+    offsets: np.ndarray  # int64 [2, layers, blocks]
+    checksums: np.ndarray  # uint32 [2, layers, blocks]
+    nbytes: int
+    file_bytes: int
+    #: ``perm[layer, r]``: the physical row of logical row ``r`` (None: prompt order)
+    perm: np.ndarray | None = None
+
+
+def check_record(rec: FileRecord) -> FileRecord:
+    """``rec`` if its values are possible, else `ValueError` (a damaged index row)."""
+    if (
+        len(rec.tokens) != rec.n_tokens or len(rec.context) != 32 or rec.first_pos < 0 or rec.n_tokens < 1
+        or rec.chunk_tokens < 1 or rec.layers < 1
+    ):
+        raise ValueError(f"file {rec.id} ({rec.name!r}) has a malformed record")
+    return rec
+
+
+#: the scalar columns, in the order `FileTable.Builder.add` takes them
+_INT_COLUMNS = ("first_pos", "n_tokens", "chunk_tokens", "layers", "nbytes", "file_bytes")
+_DTYPES = {"first_pos": np.int32, "n_tokens": np.int32, "chunk_tokens": np.int32, "layers": np.int32}
+
+
+class FileTable:
+    """File records by id, as compact columns (a read-mostly mapping ``id -> FileRecord``).
+
+    Supports what the catalog needs of a dict: ``get``, ``[]``, ``in``, ``len``,
+    iteration over ids, ``values``, ``[id] = record`` and ``pop``. Not thread-safe (the
+    catalog's lock guards it).
+    """
+
+    class Builder:
+        """Builds a table from index rows ``(id, name, format, first_pos, n_tokens,
+        chunk_tokens, layers, nbytes, file_bytes, tokens, context, reordered)`` given in
+        chunks, in increasing id order; `ValueError` for a row whose values are
+        impossible. Column by column (no Python work per row beyond a name check), the
+        tokens copied into one buffer sized up front (``uint16`` until an id does not fit)."""
+
+        def __init__(self, tokens_hint: int) -> None:
+            self.parts: list[tuple] = []
+            self.tokens = np.empty(max(0, tokens_hint), np.uint16)
+            self.used = 0
+            self.words: list[str] = []
+            self.codes: dict[str, int] = {}
+            self.odd: dict[int, str] = {}
+            self.last_id = -1
+
+        def _code(self, text: str) -> int:
+            c = self.codes.get(text)
+            if c is None:
+                if len(self.words) == 255:
+                    raise ValueError("more than 255 distinct file formats or name suffixes in one index")
+                c = self.codes[text] = len(self.words)
+                self.words.append(text)
+            return c
+
+        def add_rows(self, rows: list[tuple]) -> None:
+            if not rows:
+                return
+            cols = list(zip(*rows))
+            n = len(rows)
+            ids = np.array(cols[0], np.int64)
+            ints = np.array(cols[3:9], np.int64).reshape(len(_INT_COLUMNS), n)
+            first_pos, n_tokens, chunk_tokens, layers = ints[:4]
+            tok_len = np.fromiter(map(len, cols[9]), np.int64, n)
+            ctx_len = np.fromiter(map(len, cols[10]), np.int64, n)
+            bad = (
+                (tok_len != 4 * n_tokens) | (ctx_len != 32) | (first_pos < 0) | (n_tokens < 1) | (chunk_tokens < 1)
+                | (layers < 1) | (ids <= np.concatenate([[self.last_id], ids[:-1]])) | (ints[:4].max(axis=0) > 2**31 - 1)
+            )
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"file {int(ids[i])} ({cols[1][i]!r}) has a malformed record")
+            self.last_id = int(ids[-1])
+            hexes, suffixes = [], []
+            for fid, name in zip(cols[0], cols[1]):
+                m = _NAME.match(name)
+                if m is None:
+                    self.odd[fid] = name
+                    hexes.append("0" * 32)
+                    suffixes.append(0)
+                else:
+                    hexes.append(m.group(1))
+                    suffixes.append(self._code(m.group(2)))
+            tokens = np.frombuffer(b"".join(cols[9]), "<i4")
+            if self.tokens.dtype == np.uint16 and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
+                self.tokens = self.tokens.astype(np.int32)  # an id past 65,535: four bytes per token
+            if self.used + len(tokens) > len(self.tokens):  # more rows than counted
+                grown = np.empty(max(2 * len(self.tokens), self.used + len(tokens)), self.tokens.dtype)
+                grown[: self.used] = self.tokens[: self.used]
+                self.tokens = grown
+            self.tokens[self.used : self.used + len(tokens)] = tokens
+            self.used += len(tokens)
+            self.parts.append((
+                ids, ints, np.fromiter(map(self._code, cols[2]), np.uint8, n), np.array(suffixes, np.uint8),
+                bytes.fromhex("".join(hexes)), b"".join(cols[10]), np.array(cols[11], bool),
+            ))
+
+        def build(self) -> FileTable:
+            table = FileTable()
+            if not self.parts:
+                return table
+            ids = np.concatenate([p[0] for p in self.parts])
+            ints_all = np.concatenate([p[1] for p in self.parts], axis=1)
+            ints = {c: ints_all[k].astype(_DTYPES.get(c, np.int64)) for k, c in enumerate(_INT_COLUMNS)}
+            tok_start = np.zeros(len(ids), np.int64)
+            np.cumsum(ints["n_tokens"][:-1], out=tok_start[1:])
+            tokens = self.tokens if self.used == len(self.tokens) else self.tokens[: self.used].copy()
+            table._set_columns(
+                ids, ints, np.concatenate([p[6] for p in self.parts]),
+                np.concatenate([p[2] for p in self.parts]), np.concatenate([p[3] for p in self.parts]),
+                np.frombuffer(b"".join(p[4] for p in self.parts), np.uint8).reshape(-1, 16).copy(),
+                np.frombuffer(b"".join(p[5] for p in self.parts), np.uint8).reshape(-1, 32).copy(),
+                tok_start, tokens, self.words, self.odd,
+            )
+            self.parts = []
+            return table
+
+    def __init__(self) -> None:
+        self._set_columns(
+            np.zeros(0, np.int64), {c: np.zeros(0, np.int64) for c in _INT_COLUMNS}, np.zeros(0, bool),
+            np.zeros(0, np.uint8), np.zeros(0, np.uint8), np.zeros((0, 16), np.uint8), np.zeros((0, 32), np.uint8),
+            np.zeros(0, np.int64), np.zeros(0, np.int32), [], {},
+        )
+
+    def _set_columns(self, ids, ints, reordered, fmt, suffix, uuid, context, tok_start, tokens, words, odd) -> None:
+        self._ids = ids
+        self._ints = ints
+        self._reordered = reordered
+        self._fmt = fmt
+        self._suffix = suffix
+        self._uuid = uuid
+        self._context = context
+        self._tok_start = tok_start
+        #: token ids of every file in the columns, one after the other
+        self.tokens = tokens
+        self._words = words
+        self._odd = odd
+        self._alive = np.ones(len(ids), bool)
+        self._n_alive = len(ids)
+        #: records added (or replaced) since the columns were built
+        self._added: dict[int, FileRecord] = {}
+        #: ``sum(file_bytes)`` of the live files
+        self.file_bytes = int(ints["file_bytes"].sum()) if len(ids) else 0
+
+    # -- lookups -----------------------------------------------------------------------
+    def _row(self, file_id: int) -> int:
+        """Row of a live file in the columns, or -1."""
+        ids = self._ids
+        i = int(np.searchsorted(ids, file_id))
+        if i < len(ids) and ids[i] == file_id and self._alive[i]:
+            return i
+        return -1
+
+    def _materialise(self, i: int) -> FileRecord:
+        fid = int(self._ids[i])
+        ints = [int(self._ints[c][i]) for c in _INT_COLUMNS]
+        name = self._odd.get(fid)
+        if name is None:
+            name = f"{self._uuid[i].tobytes().hex()}.{self._words[self._suffix[i]]}"
+        start = int(self._tok_start[i])
+        tokens = self.tokens[start : start + ints[1]]
+        if tokens.dtype != np.int32:
+            tokens = tokens.astype(np.int32)
+        return FileRecord(
+            fid, name, self._words[self._fmt[i]], *ints, tokens, self._context[i].tobytes(), bool(self._reordered[i])
+        )
+
+    def get(self, file_id: int, default: FileRecord | None = None) -> FileRecord | None:
+        rec = self._added.get(file_id)
+        if rec is not None:
+            return rec
+        i = self._row(file_id)
+        return default if i < 0 else self._materialise(i)
+
+    def __getitem__(self, file_id: int) -> FileRecord:
+        rec = self.get(file_id)
+        if rec is None:
+            raise KeyError(file_id)
+        return rec
+
+    def __contains__(self, file_id: object) -> bool:
+        return isinstance(file_id, (int, np.integer)) and (file_id in self._added or self._row(int(file_id)) >= 0)
+
+    def __len__(self) -> int:
+        return self._n_alive + len(self._added)
+
+    def __iter__(self) -> Iterator[int]:
+        for i in np.flatnonzero(self._alive).tolist():
+            fid = int(self._ids[i])
+            if fid not in self._added:
+                yield fid
+        yield from list(self._added)
+
+    def keys(self) -> Iterator[int]:
+        return iter(self)
+
+    def values(self) -> Iterator[FileRecord]:
+        for fid in list(self):
+            rec = self.get(fid)
+            if rec is not None:
+                yield rec
+
+    def token_view(self, file_id: int) -> np.ndarray | None:
+        """The file's token ids as kept (a view of the shared buffer, perhaps ``uint16``)."""
+        rec = self._added.get(file_id)
+        if rec is not None:
+            return rec.tokens
+        i = self._row(file_id)
+        if i < 0:
+            return None
+        start = int(self._tok_start[i])
+        return self.tokens[start : start + int(self._ints["n_tokens"][i])]
+
+    def rows_of(self, file_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the tree loader: each id's ``(found, n_tokens, token start)`` in the columns."""
+        ids = self._ids
+        i = np.minimum(np.searchsorted(ids, file_ids), max(0, len(ids) - 1))
+        if not len(ids):
+            z = np.zeros(len(file_ids), np.int64)
+            return np.zeros(len(file_ids), bool), z, z
+        found = (ids[i] == file_ids) & self._alive[i]
+        return found, self._ints["n_tokens"][i], self._tok_start[i]
+
+    def names(self) -> set[str]:
+        """Every file's name."""
+        out = {rec.name for rec in self._added.values()}
+        for i in np.flatnonzero(self._alive).tolist():
+            fid = int(self._ids[i])
+            if fid not in self._added:
+                name = self._odd.get(fid)
+                out.add(name if name is not None else f"{self._uuid[i].tobytes().hex()}.{self._words[self._suffix[i]]}")
+        return out
+
+    # -- updates -----------------------------------------------------------------------
+    def __setitem__(self, file_id: int, record: FileRecord) -> None:
+        self.pop(file_id, None)
+        self._added[file_id] = record
+        self.file_bytes += record.file_bytes
+
+    def pop(self, file_id: int, default: FileRecord | None = None) -> FileRecord | None:
+        rec = self._added.pop(file_id, None)
+        if rec is None:
+            i = self._row(file_id)
+            if i < 0:
+                return default
+            rec = self._materialise(i)
+            self._alive[i] = False
+            self._n_alive -= 1
+        self.file_bytes -= rec.file_bytes
+        return rec
