@@ -234,8 +234,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = tiny_llama()
     prompts = Prompts()
-    root = Path(tempfile.mkdtemp(prefix="impress-scale-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix="impress-scale-", dir=args.dir)) if args.keep is None else args.keep
     path = root / "store"
+    if path.exists():
+        raise SystemExit(f"{path} exists: --keep needs a new directory")
     # the request settings of results/scale.json (the library defaults of its day): sparse
     # prefill of 25% of the rows, the rest read after it, no re-computation of new tokens
     cfg = ImpressConfig(  # the store's (mutable) config
@@ -282,7 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             store = ImpressStore(path, model, cfg)
         store.close()
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
     return {
         "benchmark": "scale",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "note": "shared with other jobs"},
@@ -335,6 +338,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="requests per phase at least (default 100, quick 30)")
     ap.add_argument("--no-fsync", action="store_true", help="ImpressConfig(fsync=False)")
     ap.add_argument("--dir", default=None, help="where the store is built (default: the temp directory)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="build the store in KEEP/store and keep it (to profile the largest size afterwards)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()

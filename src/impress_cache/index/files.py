@@ -10,14 +10,48 @@ each) until the next load. No SQL here: `sqlite.Index.load_tree` streams the row
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 #: names the store gives its chunk files, kept as 16 bytes plus a suffix code
 _NAME = re.compile(r"^([0-9a-f]{32})\.([a-z0-9]{1,16})$")
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``): loading
+    a large index makes tens of megabytes of temporary rows that would otherwise stay
+    resident. Does nothing where the C library has no ``malloc_trim``."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off meanwhile: a load makes many objects and no
+    garbage, and a collection during it would walk all of them (every tree node)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)

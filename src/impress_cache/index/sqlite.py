@@ -13,7 +13,6 @@ is a run of a file's rows (its tokens are that file's tokens, not a copy).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sqlite3
@@ -30,7 +29,7 @@ import numpy as np
 from ..errors import ReadOnlyStoreError, StoreFormatError
 from .guard import _DAMAGE, _check_regular, _guarded, index_error
 from ..storage.base import BlockKey
-from .files import FileRecord, FileTable, NewFile, check_record
+from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
 
 from .schema import SCHEMA, SCHEMA_VERSION, WAL_LIMIT
@@ -287,10 +286,11 @@ class Index:
         """Whether any node still points at ``file_id`` (an indexed lookup)."""
         return conn.execute("SELECT 1 FROM nodes WHERE file_id=? LIMIT 1", (file_id,)).fetchone() is not None
 
-    def footprint(self) -> int:
-        """Bytes the index, its WAL and shared-memory file take on disk (as ``du``)."""
+    def footprint(self, wal: bool = True, main: bool = True) -> int:
+        """Bytes the index, its WAL and shared-memory file take on disk (as ``du``);
+        not ``wal``: all but the WAL; not ``main``: the WAL only."""
         total = 0
-        for suffix in ("", "-wal", "-shm"):
+        for suffix in ("", "-wal", "-shm") if wal and main else ("", "-shm") if main else ("-wal",):
             try:
                 st = os.stat(f"{self.path}{suffix}")
             except FileNotFoundError:
@@ -342,13 +342,13 @@ class Index:
         copied into one buffer), node rows become compact nodes whose tokens are runs of
         that buffer. Returns the tree and the file records by id. The cyclic garbage collector is paused meanwhile (the load
         makes a few objects per node and no garbage; collections would walk them all)."""
-        paused = gc.isenabled()
-        gc.disable()
         try:
-            return self._load_tree()
+            with gc_paused():
+                return self._load_tree()
         finally:
-            if paused:
-                gc.enable()
+            with self._lock:
+                self._conn.execute("PRAGMA shrink_memory")  # the pages the load read: not needed again
+            release_free_heap()
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
         with self._lock:
@@ -385,7 +385,7 @@ class Index:
         bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
         ids, fids, frows, lengths, terms = (nodes[:, c].tolist() for c in (0, 2, 3, 4, 5))
         buf = files.tokens
-        ints: dict[int, int] = {}  # one int object per file id and per first token
+        ints: dict[int, int] = {}  # one int object per first token (the children's keys)
         firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offs, max(0, len(buf) - 1))].tolist()] if offs else []
         tree = RadixTree()
         attach = tree.attach
@@ -397,8 +397,7 @@ class Index:
             if span is None:
                 continue
             for j in range(*span):
-                fid = ints.setdefault(fids[j], fids[j])
-                stack.append(attach(parent, ids[j], buf, offs[j], lengths[j], fid, frows[j], terms[j], firsts[j]))
+                stack.append(attach(parent, ids[j], buf, offs[j], lengths[j], fids[j], frows[j], terms[j], firsts[j]))
             placed += span[1] - span[0]
         if placed != len(ids):
             raise StoreFormatError(
@@ -506,13 +505,20 @@ class Index:
         """Saved per-node statistics of nodes still in the index, as columns: node ids
         (``int64``, increasing) and ``float64 [n, 6]`` of ``count, freq, share, age_s,
         seq, saved_at`` (wall-clock seconds)."""
-        with self._lock:
-            rows = self._conn.execute(
+        parts = [np.zeros((0, 7), np.float64)]
+        with self._lock, gc_paused():  # rows of plain values: no garbage cycles to look for
+            cur = self._conn.execute(
                 "SELECT s.node_id, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at FROM node_stats s "
                 "JOIN nodes n ON n.id = s.node_id ORDER BY s.node_id"
-            ).fetchall()
-        cols = np.array(rows, dtype=np.float64).reshape(-1, 7)
-        return cols[:, 0].astype(np.int64), np.ascontiguousarray(cols[:, 1:])
+            )
+            while rows := cur.fetchmany(4096):
+                parts.append(np.array(rows, dtype=np.float64).reshape(-1, 7))
+            self._conn.execute("PRAGMA shrink_memory")
+        cols = np.concatenate(parts)
+        ids, data = cols[:, 0].astype(np.int64), np.ascontiguousarray(cols[:, 1:])
+        del parts, rows, cols
+        release_free_heap()
+        return ids, data
 
 
 for _name, _fn in list(vars(Index).items()):

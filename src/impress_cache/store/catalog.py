@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 CHUNK_DIR = "chunks"
 #: names the store gives its chunk files; anything else in the index is damage
 FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)$")
+#: `Catalog.disk_bytes` calls between two measurements of the index file and directories
+_REMEASURE = 32
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -81,6 +83,10 @@ class Catalog:
         #: reloaded and these are all its leaves)
         self._on_leaves = on_leaves
         self._open: dict[int, OpenFile] = {}
+        #: bytes of the index file, its shared-memory file and the directories, as last
+        #: measured (`disk_bytes`), and how often they were used since
+        self._fixed: int | None = None
+        self._fixed_uses = 0
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.tree: RadixTree
         #: the indexed files' records by id (compact columns, records made when asked for)
@@ -358,11 +364,25 @@ class Catalog:
         self._drop_record(file_id)
         return rec
 
-    def disk_bytes(self) -> int:
+    def disk_bytes(self, wal: int | None = None) -> int:
         """What the store puts on disk: its chunk files, its index (with WAL) and the
-        two directories' own blocks."""
-        dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
-        return self.chunk_bytes + self.index.footprint() + dirs
+        two directories' own blocks, all measured now. With ``wal`` (the WAL's size, as
+        the disk budget has just read it), the index file, its shared-memory file and the
+        directories are taken as last measured: re-measured every `_REMEASURE` calls and
+        after `remeasure` (a checkpoint changes the index file), so a write at the
+        budget costs one ``stat``, not five."""
+        if wal is None or self._fixed is None or self._fixed_uses >= _REMEASURE:
+            dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
+            self._fixed = dirs + self.index.footprint(wal=False)
+            self._fixed_uses = 0
+            if wal is None:
+                return self.chunk_bytes + self._fixed + self.index.footprint(main=False)
+        self._fixed_uses += 1
+        return self.chunk_bytes + self._fixed + wal
+
+    def remeasure(self) -> None:
+        """Measure the index file and the directories again at the next `disk_bytes`."""
+        self._fixed = None
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""

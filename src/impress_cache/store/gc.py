@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import ImpressError, StoreFormatError
+from ..index.files import release_free_heap
 from ..index.radix import RadixNode
 from ..index.sqlite import WAL_LIMIT, FileRecord
 from ..storage import FORMATS
@@ -165,6 +166,8 @@ class StoreGC:
             else:  # named like ours but without our header: never deleted, moved aside
                 log.warning("unindexed file %s has no impress_cache header; moving it to %s/", name, QUARANTINE_DIR)
                 self._move_aside(name)
+        del known, foreign, orphans
+        release_free_heap()  # the scan's names
 
     def _has_own_header(self, name: str) -> bool:
         """Whether a chunk file's header says this store wrote it (its UUID is its name)."""
@@ -227,7 +230,7 @@ class StoreGC:
         c.prefixes_evicted += result["removed_prefixes"]
         c.files_evicted += result["removed_files"]
         c.disk_bytes_evicted += result["freed_bytes"]
-        after = catalog.disk_bytes()
+        after = catalog.disk_bytes(catalog.index.wal_bytes())
         if stuck and after > budget:
             log.warning(
                 "the store takes %d bytes, over disk_bytes=%d, but every remaining prefix is in use "
@@ -243,12 +246,13 @@ class StoreGC:
     def _used(self, wal_room: int) -> int:
         """What the budget compares: the store's bytes on disk, with ``wal_room`` bytes
         kept for the WAL however small it is now."""
-        index = self._catalog.index
-        return self._catalog.disk_bytes() + max(0, wal_room - index.wal_bytes())
+        wal = self._catalog.index.wal_bytes()
+        return self._catalog.disk_bytes(wal) + max(0, wal_room - wal)
 
     def _trim_wal(self, bound: int) -> None:
         if self._catalog.index.wal_bytes() > bound:
             self._catalog.index.checkpoint()
+            self._catalog.remeasure()  # the checkpoint grew the index file
 
     def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[int, list[FileRecord], bool]:
         """Up to `BATCH` removals in one index transaction (under the catalog lock).

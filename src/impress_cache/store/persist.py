@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..index.files import release_free_heap
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
 from ..tiers import TierManager
@@ -94,8 +95,8 @@ class StatsKeeper:
         self._background(self._save_quietly)
 
     def forget(self, file_ids: set[int]) -> None:
-        with self._lock:
-            self._dirty = {k for k in self._dirty if k[0] not in file_ids}
+        """Nothing to do per removed file: a save skips the marked blocks the tiers no
+        longer know (a removal's cost must not grow with the marked blocks)."""
 
     def save(self) -> int:
         """Write the statistics changed since the last save to the index; returns the
@@ -130,4 +131,7 @@ class StatsKeeper:
         if self._importance is not None:
             self._importance.load(self._index.load_importance())
         rows = self._index.load_block_stats()
-        return self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0
+        loaded = self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0
+        del rows
+        release_free_heap()  # the temporaries of the loads
+        return loaded

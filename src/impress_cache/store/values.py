@@ -90,6 +90,23 @@ class NodeValues:
             if node_id not in self._policy:
                 self._install_row(node_id, self._saved[i])
 
+    def _take_all(self) -> None:
+        """Install every waiting saved record at once (under the lock)."""
+        rows = np.flatnonzero(self._waiting)
+        if not len(rows):
+            return
+        ids = self._saved_ids[rows].tolist()
+        known = [n in self._policy for n in ids]
+        if any(known):
+            keep = ~np.asarray(known)
+            rows, ids = rows[keep], [n for n, k in zip(ids, known) if not k]
+        cols = self._saved[rows]
+        self._policy.load_columns(
+            ids, cols[:, 0].astype(np.int64).tolist(), cols[:, 1].tolist(), cols[:, 2].tolist(),
+            cols[:, 3].astype(np.int64).tolist(), cols[:, 4].tolist(), cols[:, 5].tolist(),
+        )
+        self._saved_ids, self._saved, self._waiting = np.zeros(0, np.int64), np.zeros((0, 6)), np.zeros(0, bool)
+
     def _drop_saved(self, node_id: int) -> None:
         ids = self._saved_ids
         if len(ids):
@@ -193,8 +210,7 @@ class NodeValues:
             self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
-            for n in self._queued:
-                self._take(n)
+            self._take_all()  # (nearly) every node is a leaf: install all saved records at once
             self._heap = [(self._policy.sort_key(n, now), n) for n in self._queued]
             heapq.heapify(self._heap)
 

@@ -24,7 +24,7 @@ from ...validate import check_unit
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockStats:
     """Statistics of one block, as kept by a policy.
 
@@ -270,6 +270,18 @@ class EvictionPolicy(ABC):
         self._tick = max(self._tick, seq)
 
     # ------------------------------------------------------------------ container
+    def load_columns(
+        self, keys: list[Hashable], count: list[int], freq: list[float], share: list[float], seq: list[int],
+        freq_time: list[float], last_access: list[float],
+    ) -> None:
+        """`load_stats` without ``now`` for many blocks at once, from columns whose
+        values the caller has checked (count >= 0, freq >= 0, 0 <= share <= 1)."""
+        stats = self._stats
+        for k, c, f, sh, q, ft, la in zip(keys, count, freq, share, seq, freq_time, last_access):
+            stats[k] = BlockStats(c, f, ft, sh, la, q)
+        if seq:
+            self._tick = max(self._tick, max(seq))
+
     def __contains__(self, key: object) -> bool:
         return key in self._stats
 
