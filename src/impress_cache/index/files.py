@@ -298,17 +298,6 @@ class FileTable:
             if rec is not None:
                 yield rec
 
-    def token_view(self, file_id: int) -> np.ndarray | None:
-        """The file's token ids as kept (a view of the shared buffer, perhaps ``uint16``)."""
-        rec = self._added.get(file_id)
-        if rec is not None:
-            return rec.tokens
-        i = self._row(file_id)
-        if i < 0:
-            return None
-        start = int(self._tok_start[i])
-        return self.tokens[start : start + int(self._ints["n_tokens"][i])]
-
     def rows_of(self, file_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For the tree loader: each id's ``(found, n_tokens, token start)`` in the columns."""
         ids = self._ids
@@ -322,11 +311,12 @@ class FileTable:
     def names(self) -> set[str]:
         """Every file's name."""
         out = {rec.name for rec in self._added.values()}
-        for i in np.flatnonzero(self._alive).tolist():
-            fid = int(self._ids[i])
-            if fid not in self._added:
-                name = self._odd.get(fid)
-                out.add(name if name is not None else f"{self._uuid[i].tobytes().hex()}.{self._words[self._suffix[i]]}")
+        rows = np.flatnonzero(self._alive)
+        if self._odd:
+            out.update(self._odd[fid] for fid in self._ids[rows].tolist() if fid in self._odd)
+            rows = rows[~np.isin(self._ids[rows], np.fromiter(self._odd, np.int64, len(self._odd)))]
+        hexes, words = self._uuid[rows].tobytes().hex(), self._words
+        out.update(f"{hexes[32 * j : 32 * j + 32]}.{words[c]}" for j, c in enumerate(self._suffix[rows].tolist()))
         return out
 
     # -- updates -----------------------------------------------------------------------

@@ -161,6 +161,44 @@ class RadixTree:
         self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
         self._nodes: dict[int, RadixNode] = {0: self.root}
 
+    @classmethod
+    def from_columns(cls, nodes: np.ndarray, offsets: np.ndarray, buf: np.ndarray) -> RadixTree:
+        """A tree from node rows ``(id, parent, file_id, file_row, length, terminal)``
+        (``int64 [n, 6]``, any order) whose tokens are ``buf[offset : offset + length]``.
+        `ValueError` when a row cannot be placed (no parent, a duplicate id or first
+        token). Time proportional to the number of nodes: the nodes are built here,
+        without per-node calls."""
+        tree = cls()
+        order = np.argsort(nodes[:, 1], kind="stable")  # children grouped by parent
+        nodes, offsets = nodes[order], offsets[order]
+        parents = nodes[:, 1]
+        keys, first = np.unique(parents, return_index=True)
+        bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
+        ids, fids, frows, lengths, terms = (nodes[:, c].tolist() for c in (0, 2, 3, 4, 5))
+        offs = offsets.tolist()
+        ints: dict[int, int] = {}  # one int object per first token (the children's keys)
+        firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
+        table, new = tree._nodes, RadixNode.__new__
+        stack = [tree.root]
+        while stack:  # parents before their children
+            parent = stack.pop()
+            span = bounds.pop(parent.id, None)
+            if span is None:
+                continue
+            kids = parent._own_children()
+            for j in range(*span):
+                node_id, tok = ids[j], firsts[j]
+                if lengths[j] < 1 or node_id in table or tok in kids:
+                    raise ValueError(f"node {node_id} cannot be placed below node {parent.id}")
+                node = new(RadixNode)
+                node.id, node._buf, node._off, node._n = node_id, buf, offs[j], lengths[j]
+                node.file_id, node.file_row, node.parent, node._kids, node.terminal = fids[j], frows[j], parent, None, terms[j]
+                kids[tok] = table[node_id] = node
+                stack.append(node)
+        if len(table) != len(ids) + 1:
+            raise ValueError(f"{len(ids) + 1 - len(table)} node(s) have no parent")
+        return tree
+
     # -- queries ---------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._nodes) - 1
@@ -296,27 +334,6 @@ class RadixTree:
         node = RadixNode(self._free(node_id), tokens, file_id, file_row, parent, terminal)
         parent._own_children()[int(tokens[0])] = node
         self._nodes[node.id] = node
-        return node
-
-    def attach(
-        self, parent: RadixNode, node_id: int, buf: np.ndarray, off: int, n: int, file_id: int, file_row: int,
-        terminal: int = 0, first: int | None = None,
-    ) -> RadixNode:
-        """`add_child` for a loader: the node's tokens are ``buf[off : off + n]``, kept as
-        they are (``uint16`` or ``int32``), not copied (``first``: ``int(buf[off])``, if
-        the caller has it)."""
-        if n < 1:
-            raise ValueError("a node needs at least one token")
-        if first is None or first != buf[off]:
-            first = int(buf[off])
-        kids = parent._own_children()
-        if first in kids:
-            raise ValueError(f"parent {parent.id} already has a child starting with {first}")
-        if node_id in self._nodes:
-            raise ValueError(f"node id {node_id} is already used")
-        node = RadixNode.view(node_id, buf, off, n, file_id, file_row, parent, terminal)
-        kids[first] = node
-        self._nodes[node_id] = node
         return node
 
     def remove(self, node: RadixNode) -> None:

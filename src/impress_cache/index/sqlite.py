@@ -340,8 +340,10 @@ class Index:
         """Rebuild the radix tree from the node table, in time proportional to the number
         of nodes and files: file rows are streamed into a `FileTable` (their token blobs
         copied into one buffer), node rows become compact nodes whose tokens are runs of
-        that buffer. Returns the tree and the file records by id. The cyclic garbage collector is paused meanwhile (the load
-        makes a few objects per node and no garbage; collections would walk them all)."""
+        that buffer; both tables are read in one snapshot. Returns the tree and the file
+        records by id. The cyclic garbage collector is paused meanwhile (the load makes a
+        few objects per node and no garbage; collections would walk them all), and the
+        load's temporaries and pages are given back afterwards."""
         try:
             with gc_paused():
                 return self._load_tree()
@@ -376,34 +378,12 @@ class Index:
                 + ("is not indexed" if not found[bad][0] else f"has {int(n_tokens[bad][0])} rows")
                 + ". Rebuild the index with `impress-cache verify --repair`."
             )
-        # children grouped by parent; parents attached before their children
-        order = np.argsort(nodes[:, 1], kind="stable")
-        nodes = nodes[order]
-        offs = (start[order] + nodes[:, 3]).tolist()
-        parents = nodes[:, 1]
-        keys, first = np.unique(parents, return_index=True)
-        bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
-        ids, fids, frows, lengths, terms = (nodes[:, c].tolist() for c in (0, 2, 3, 4, 5))
-        buf = files.tokens
-        ints: dict[int, int] = {}  # one int object per first token (the children's keys)
-        firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offs, max(0, len(buf) - 1))].tolist()] if offs else []
-        tree = RadixTree()
-        attach = tree.attach
-        stack = [tree.root]
-        placed = 0
-        while stack:
-            parent = stack.pop()
-            span = bounds.pop(parent.id, None)
-            if span is None:
-                continue
-            for j in range(*span):
-                stack.append(attach(parent, ids[j], buf, offs[j], lengths[j], fids[j], frows[j], terms[j], firsts[j]))
-            placed += span[1] - span[0]
-        if placed != len(ids):
+        try:
+            tree = RadixTree.from_columns(nodes, start + nodes[:, 3], files.tokens)
+        except ValueError as exc:
             raise StoreFormatError(
-                f"the index {self.path} is damaged: {len(ids) - placed} node(s) have no parent. "
-                "Rebuild the index with `impress-cache verify --repair`."
-            )
+                f"the index {self.path} is damaged: {exc}. Rebuild the index with `impress-cache verify --repair`."
+            ) from exc
         return tree, files
 
     def _load_files(self) -> FileTable:

@@ -213,11 +213,12 @@ class StoreGC:
         self._trim_wal(bound)
         stuck = False
         while True:
+            catalog.refresh()
+            used = self._used(bound)  # a stat, outside the lock requests take
+            if used <= budget:
+                break
             with catalog.lock:
-                catalog.refresh()
-                if self._used(bound) <= budget:
-                    break
-                removed, dropped, stuck = self._evict_batch(budget, bound, protected)
+                removed, dropped, stuck = self._evict_batch(budget, bound, protected, used)
             for rec in dropped:
                 self._leases.defer_unlink(rec.id, rec.name)
             result["removed_prefixes"] += removed
@@ -254,13 +255,15 @@ class StoreGC:
             self._catalog.index.checkpoint()
             self._catalog.remeasure()  # the checkpoint grew the index file
 
-    def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[int, list[FileRecord], bool]:
-        """Up to `BATCH` removals in one index transaction (under the catalog lock).
-        Returns how many leaves went, the files that went with them and whether it ran
-        out of candidates."""
+    def _evict_batch(
+        self, budget: int, wal_room: int, protected: set[int], used: int
+    ) -> tuple[int, list[FileRecord], bool]:
+        """Up to `BATCH` removals in one index transaction (under the catalog lock), from
+        ``used`` bytes (`_used`, just measured). Returns how many leaves went, the files
+        that went with them and whether it ran out of candidates."""
         catalog = self._catalog
         values = self._values
-        used = self._used(wal_room)
+        chunk_bytes = catalog.chunk_bytes
         now = self._clock()
         seen: set[int] = set()
         aside: list[int] = []  # popped, not taken: back onto the heap afterwards
@@ -276,6 +279,7 @@ class StoreGC:
                 # under the write lock: a leaf another process extended since the refresh
                 # above is seen to have children now (its removal would orphan them)
                 catalog.refresh()
+                used += catalog.chunk_bytes - chunk_bytes  # another process's files, if it reloaded
                 while used > budget and len(victims) < BATCH:
                     node = self._next_candidate(protected, now, seen, aside, grace)
                     if node is None:

@@ -130,7 +130,9 @@ class StatsKeeper:
         self._nodes.load_saved(ids, rebase_columns(cols, now))
         if self._importance is not None:
             self._importance.load(self._index.load_importance())
-        rows = self._index.load_block_stats()
+        # memory tiers without a budget look nothing up and record nothing: their
+        # statistics stay in the index (a later save writes only what the tiers know)
+        rows = self._index.load_block_stats() if self._tiers.enabled else []
         loaded = self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0
         del rows
         release_free_heap()  # the temporaries of the loads
