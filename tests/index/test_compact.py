@@ -137,13 +137,19 @@ def test_odd_names_and_formats_round_trip(tmp_path):
     store_prompt(cat, (1, 2, 3))
     with cat.index.transaction() as conn:
         odd = cat.index.add_file(conn, new_file((5, 6), 0, name="not-a-chunk-name.bin"))
+        spaced = cat.index.add_file(conn, new_file((3, 4), 0, name="ab " + "c" * 29 + ".safetensors"))
+        nl = cat.index.add_file(conn, new_file((2, 4), 0, name="d" * 32 + ".h5\n"))
+        cat.index.add_node(conn, 0, spaced, 0, 2, 1)
+        cat.index.add_node(conn, 0, nl, 0, 2, 1)
         h5 = cat.index.add_file(conn, new_file((7, 8), 0, name=f"{uuid.uuid4().hex}.h5"))
         cat.index.add_node(conn, 0, odd, 0, 2, 1)
         cat.index.add_node(conn, 0, h5, 0, 2, 1)
     cat.reload_tree()
     assert cat.records[odd].name == "not-a-chunk-name.bin"
     assert cat.records[h5].name.endswith(".h5")
-    check_against_index(cat, {(1,), (1, 2), (1, 2, 3), (5,), (5, 6), (7,), (7, 8)})
+    assert cat.records[spaced].name == "ab " + "c" * 29 + ".safetensors"
+    assert cat.records[nl].name == "d" * 32 + ".h5\n"
+    check_against_index(cat, {(1,), (1, 2), (1, 2, 3), (5,), (5, 6), (7,), (7, 8), (3,), (3, 4), (2,), (2, 4)})
     cat.close()
     cat.index.close()
 

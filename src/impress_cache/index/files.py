@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 #: names the store gives its chunk files, kept as 16 bytes plus a suffix code
-_NAME = re.compile(r"^([0-9a-f]{32})\.([a-z0-9]{1,16})$")
+_NAME = re.compile(r"([0-9a-f]{32})\.([a-z0-9]{1,16})")
+_SUFFIX = re.compile(r"[a-z0-9]{1,16}")
 
 
 def release_free_heap() -> None:
@@ -169,16 +170,7 @@ class FileTable:
                 i = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"file {int(ids[i])} ({cols[1][i]!r}) has a malformed record")
             self.last_id = int(ids[-1])
-            hexes, suffixes = [], []
-            for fid, name in zip(cols[0], cols[1]):
-                m = _NAME.match(name)
-                if m is None:
-                    self.odd[fid] = name
-                    hexes.append("0" * 32)
-                    suffixes.append(0)
-                else:
-                    hexes.append(m.group(1))
-                    suffixes.append(self._code(m.group(2)))
+            uuids, suffixes = self._names(cols[0], cols[1])
             tokens = np.frombuffer(b"".join(cols[9]), "<i4")
             if self.tokens.dtype == np.uint16 and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
                 self.tokens = self.tokens.astype(np.int32)  # an id past 65,535: four bytes per token
@@ -190,8 +182,37 @@ class FileTable:
             self.used += len(tokens)
             self.parts.append((
                 ids, ints, np.fromiter(map(self._code, cols[2]), np.uint8, n), np.array(suffixes, np.uint8),
-                bytes.fromhex("".join(hexes)), b"".join(cols[10]), np.array(cols[11], bool),
+                uuids, b"".join(cols[10]), np.array(cols[11], bool),
             ))
+
+        def _names(self, ids: tuple[int, ...], names: tuple[str, ...]) -> tuple[bytes, list[int]]:
+            """16 bytes and a suffix code per name: all at once when every name is 32
+            lowercase hex digits, a dot and a known suffix, else name by name (a name
+            that is not of this form is kept as it is)."""
+            hexes = "".join([n[:32] for n in names])
+            suffixes = [n[33:] for n in names]
+            codes = {x: self._code(x) for x in set(suffixes) if _SUFFIX.fullmatch(x)}
+            if (
+                len(hexes) == 32 * len(names) and {n[32:33] for n in names} == {"."} and hexes == hexes.lower()
+                and len(codes) == len(set(suffixes))
+            ):
+                try:
+                    raw = bytes.fromhex(hexes)
+                except ValueError:
+                    raw = b""  # a character that is not a hex digit
+                if len(raw) == 16 * len(names):  # (fromhex skips white space)
+                    return raw, [codes[x] for x in suffixes]
+            out, codes_out = [], []
+            for fid, name in zip(ids, names):
+                m = _NAME.fullmatch(name)
+                if m is None:
+                    self.odd[fid] = name
+                    out.append(bytes(16))
+                    codes_out.append(0)
+                else:
+                    out.append(bytes.fromhex(m.group(1)))
+                    codes_out.append(self._code(m.group(2)))
+            return b"".join(out), codes_out
 
         def build(self) -> FileTable:
             table = FileTable()
@@ -318,6 +339,11 @@ class FileTable:
         hexes, words = self._uuid[rows].tobytes().hex(), self._words
         out.update(f"{hexes[32 * j : 32 * j + 32]}.{words[c]}" for j, c in enumerate(self._suffix[rows].tolist()))
         return out
+
+    def odd_names(self) -> set[str]:
+        """The names that are not 32 lowercase hex digits, a dot and a short suffix (and
+        those of records added since the load, whatever they are)."""
+        return set(self._odd.values()) | {rec.name for rec in self._added.values()}
 
     # -- updates -----------------------------------------------------------------------
     def __setitem__(self, file_id: int, record: FileRecord) -> None:

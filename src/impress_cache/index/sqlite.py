@@ -196,8 +196,17 @@ class Index:
         with self._lock:
             return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
 
-    def changed_elsewhere(self) -> bool:
-        """True once after another connection (process) committed a change."""
+    def changed_elsewhere(self, wait: bool = True) -> bool:
+        """True once after another connection (process) committed a change. Not
+        ``wait``: False at once when another thread of this process is using the index
+        (a transaction, a checkpoint); the next call looks."""
+        if not wait:
+            if not self._lock.acquire(blocking=False):
+                return False
+            try:
+                return self.changed_elsewhere()
+            finally:
+                self._lock.release()
         v = self.data_version()
         if v != self._seen_version:
             self._seen_version = v

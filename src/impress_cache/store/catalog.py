@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_DIR = "chunks"
 #: names the store gives its chunk files; anything else in the index is damage
-FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)$")
+FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
 #: `Catalog.disk_bytes` calls between two measurements of the index file and directories
 _REMEASURE = 32
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -119,8 +119,11 @@ class Catalog:
 
     # -- tree ------------------------------------------------------------------------
     def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:
+        """The tree's longest match, after a look at other processes' commits that does
+        not wait for this process's writer or checkpoint (a change committed meanwhile
+        is seen by the next match, as one committed just after this one would be)."""
         with self.lock:
-            self.refresh()
+            self.refresh(wait=False)
             return self.tree.match(tokens, limit)
 
     def check_match(self, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:
@@ -144,10 +147,11 @@ class Catalog:
             pos += seg.length
         return None
 
-    def refresh(self) -> None:
-        """Reload the tree if another process changed the index."""
+    def refresh(self, wait: bool = True) -> None:
+        """Reload the tree if another process changed the index (``wait``: see
+        `Index.changed_elsewhere`)."""
         with self.lock:
-            if self.index.changed_elsewhere():
+            if self.index.changed_elsewhere(wait):
                 self.reload_tree()
 
     def reload_tree(self) -> None:

@@ -29,6 +29,8 @@ from .values import NodeValues
 log = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "quarantine"
+#: suffixes of `FILE_NAME` (an indexed name of 32 hex digits, a dot and one of these is one)
+_SUFFIXES = (".safetensors", ".h5")
 #: removals per index transaction of the disk budget (the catalog lock is free between)
 BATCH = 16
 
@@ -142,9 +144,12 @@ class StoreGC:
         with catalog.lock:
             catalog.refresh()
             known = catalog.records.names()
+            odd = catalog.records.odd_names()
         foreign, orphans = [], []
         for entry in os.scandir(catalog.chunks_fd):
             name = entry.name
+            if name in known and name not in odd and name.endswith(_SUFFIXES):
+                continue  # an indexed chunk file (one replaced by something else: quarantined when read)
             ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
             if ours and name in known and not entry.is_file(follow_symlinks=False):
                 continue  # an indexed file replaced by something else: quarantined when read
