@@ -21,7 +21,6 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..index.radix import Match
 from .activity import Activity
@@ -29,6 +28,11 @@ from .activity import Activity
 #: seconds after a match during which the disk budget prefers to leave the matched files
 #: alone (it takes them only when nothing else brings the store within its budget)
 MATCH_GRACE_S = 5.0
+
+#: seconds the unlink thread lets evicted files gather before it deletes them, and how
+#: many wake it at once
+UNLINK_EVERY_S = 0.05
+BATCH_WAKE = 32
 
 #: what protects a file from the disk budget (`LeaseTable.protection`)
 FREE, GRACE, LEASED = 0, 1, 2
@@ -71,31 +75,75 @@ def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ..
 class Unlinker:
     """Deletes evicted chunk files on a thread of its own, so neither the writer nor a
     request waits for the file system (an unlink took ~7 ms on the project's machine).
-    `drain` waits until every file handed over is gone (`ImpressStore.flush`)."""
+
+    Names are handed over in a list; the thread takes what has gathered every
+    `UNLINK_EVERY_S` seconds (or at once when `BATCH_WAKE` names wait), so a write at
+    the disk budget does not wake it (and wait for the interpreter lock it takes) for
+    every file. `drain` waits until every file handed over is gone (`ImpressStore.flush`)
+    and raises the first failure since the last drain."""
 
     def __init__(self, unlink: Callable[[str], None]) -> None:
         self._unlink = unlink
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-unlink")
-        self._lock = threading.Lock()
-        self._pending: list[Future[None]] = []
+        self._cv = threading.Condition()
+        self._names: list[str] = []
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
     def __call__(self, name: str) -> None:
-        try:
-            fut = self._pool.submit(self._unlink, name)
-        except RuntimeError:  # shut down: delete it here
-            self._unlink(name)
-            return
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        with self._cv:
+            if self._closed:
+                self._unlink(name)  # shut down: delete it here
+                return
+            self._names.append(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="impress-unlink", daemon=True)
+                self._thread.start()
+            if len(self._names) >= BATCH_WAKE:
+                self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._names and not self._closed:
+                    self._cv.wait()
+                if not self._names and self._closed:
+                    return
+                if not self._closed and len(self._names) < BATCH_WAKE:
+                    self._cv.wait(UNLINK_EVERY_S)  # let a few gather (drain and close wake it)
+                names, self._names = self._names, []
+                self._busy = True
+            for name in names:
+                try:
+                    self._unlink(name)
+                except BaseException as exc:  # reported by drain
+                    with self._cv:
+                        self._error = self._error or exc
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def drain(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        with self._cv:
+            while self._names or self._busy:
+                self._cv.notify_all()
+                self._cv.wait(0.05)
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cv:  # anything handed over while closing
+            names, self._names = self._names, []
+        for name in names:
+            self._unlink(name)
 
 
 class LeaseTable:

@@ -91,7 +91,8 @@ class Reordering:
             self.reorganizer.wake()
 
     def run(self, force: bool, limit: int | None, progress: bool) -> dict[str, Any]:
-        """`ImpressStore.reorganize`: the reorganiser's run now, with a progress bar."""
+        """`ImpressStore.reorganize`: the reorganiser's run now, with a progress bar; it
+        returns once the files it replaced (and no request holds) are deleted."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -102,6 +103,7 @@ class Reordering:
         finally:
             if bar is not None:
                 bar.close()
+            self._leases.unlinker.drain()
 
     def stats(self) -> dict[str, Any]:
         c = self.reorganizer.counters
