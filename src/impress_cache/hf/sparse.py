@@ -125,11 +125,16 @@ class SparsePrefill:
         return buf, self.k
 
     def _read_ahead(self, layer_idx: int) -> None:
-        """Start reading, for the next layer, the blocks this layer chose (per batch row)."""
+        """Start reading, for the next layer, the blocks this layer chose (per batch row);
+        with ``prefetch="agreed"`` only those the layer before chose as well."""
+        agreed = self.store.config.prefetch == "agreed"
         for i, rows in self.selections.get(layer_idx - 1, {}).items():
             lay = self.layouts[self.row_of(i)]
             assert lay is not None
             units = lay.at(layer_idx - 1).units_for(rows.reshape(-1))
+            before = self.selections.get(layer_idx - 2, {}).get(i) if agreed else None
+            if before is not None:
+                units = sorted(set(units).intersection(lay.at(layer_idx - 2).units_for(before.reshape(-1))))
             if len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
                 self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
 
