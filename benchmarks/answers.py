@@ -329,7 +329,7 @@ def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
         cfg: dict[str, Any] = {}
         for kv in kvs.split(","):
             k, v = kv.split("=")
-            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o") else v
+            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed") else v
         out[name] = cfg
     return out
 
@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
         print(json.dumps(result["goals"], indent=1))
         return 0
+    if args.prepare and not args.work:
+        p.error("--prepare stores prefixes for later runs: give --work DIR")
     if args.quick:
         args.lengths, args.questions, args.variants = [1024, 2048], 4, ["full", "keep"]
     variants = {} if args.prepare else parse_variants(args.variants)

@@ -186,3 +186,18 @@ def test_prefetch_changes_reads_not_answers(tmp_path):
     assert got[True][3].bytes_read_rows == got["next"][3].bytes_read_rows
     with pytest.raises(ConfigError, match="prefetch"):
         ImpressConfig(prefetch="sometimes")
+
+
+def test_agreed_read_ahead_with_nothing_agreed(tmp_path):
+    """Two layers that choose no block in common start no read-ahead (tiny selections)."""
+    model = tiny_model("llama", "sdpa", num_hidden_layers=6)
+    doc = _tok(11, 512)
+    store_dense(tmp_path, model, doc.unsqueeze(0))
+    q = torch.cat([doc, _tok(12, 6)]).unsqueeze(0)
+    out = {}
+    for mode in (False, "agreed"):
+        cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.02, decode="keep", prefetch=mode, reorg_idle_ms=None)
+        with ImpressStore(tmp_path, model, cfg) as store:
+            cache = ImpressCache(store, q)
+            out[mode] = run(model, q, cache=cache, new_tokens=2)
+    assert torch.equal(out[False][0], out["agreed"][0]) and torch.equal(out[False][1], out["agreed"][1])

@@ -510,6 +510,29 @@ def test_lookup_defers_device_hits_and_settle_applies_them() -> None:
     assert stats["c"]["count"] == 0
 
 
+def test_a_failing_recorded_access_is_kept_and_retried() -> None:
+    from impress_cache.tiers.touchlog import TouchLog
+
+    seen, fail = [], {"b"}
+
+    def apply(key, share, now):
+        if key in fail:
+            raise RuntimeError(key)
+        seen.append(key)
+
+    log = TouchLog(apply)
+    with log.raw:
+        log.record([("a", 1.0, 0.0), ("b", 1.0, 0.0), ("c", 1.0, 0.0)])
+    with pytest.raises(RuntimeError):
+        with log:
+            pass
+    assert seen == ["a"] and log.pending == 2  # b and c stay recorded, in order
+    fail.clear()
+    with log:
+        pass
+    assert seen == ["a", "b", "c"] and log.pending == 0
+
+
 def test_a_batch_never_evicts_its_own_blocks() -> None:
     """Admitting the misses of a request never evicts the request's other blocks."""
     mgr = TierManager(0, 200, LRUPolicy(), class_shares={"high": 1.0, "medium": 0.0, "low": 0.0}, clock=FakeClock())

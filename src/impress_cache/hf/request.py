@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -35,6 +36,11 @@ from .recovery import recompute_prefix
 from .sparse import SparsePrefill
 
 log = logging.getLogger(__name__)
+
+
+def _log_failure(fut: Future[Any]) -> None:
+    if fut.exception() is not None:
+        log.warning("applying the memory tiers' recorded accesses failed: %s", fut.exception())
 
 
 class PrefixRequest:
@@ -185,11 +191,6 @@ class PrefixRequest:
         rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
         if self.prefill_started is not None:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
-        if self.store.tiers.pending_accesses:  # the memory tiers' bookkeeping, off the request's path
-            try:
-                self.store.fetcher.submit(self.store.tiers.settle)
-            except RuntimeError:  # the store is closing: the next call into the tiers applies them
-                pass
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full" and self._recomputed is None:
@@ -197,10 +198,23 @@ class PrefixRequest:
                 self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
             else:
                 self.release_lease()
+            self._settle_tiers()
             return
         self.release_lease()
+        self._settle_tiers()
         if store_prompt:
             self._store_prompt(layer_keys, layer_values)
+
+    def _settle_tiers(self) -> None:
+        """Apply the memory tiers' recorded accesses on the fetcher thread, after anything
+        this request queued there (off the request's path; see `TouchLog`)."""
+        if not self.store.tiers.pending_accesses:
+            return
+        try:
+            fut = self.store.fetcher.submit(self.store.tiers.settle)
+        except RuntimeError:  # the store is closing: the next call into the tiers applies them
+            return
+        fut.add_done_callback(_log_failure)
 
     @property
     def full_pending(self) -> bool:

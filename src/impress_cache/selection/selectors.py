@@ -96,11 +96,12 @@ def top_masks(scores: torch.Tensor, k: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def kept_rows(p: int, sinks: int, recent: int) -> torch.Tensor | None:
     """The rows of a ``p``-row prefix always kept: the first ``sinks`` and the last
-    ``recent`` (``None``: none). Cached: callers only index with it."""
+    ``recent`` (``None``: none). Cached and shared: index with it, never modify it."""
     sinks, recent = min(sinks, p), min(recent, p)
     if sinks + recent == 0:
         return None
-    return torch.unique(torch.cat([torch.arange(sinks), torch.arange(p - recent, p)]))
+    with torch.inference_mode(False):  # a normal tensor, usable later with or without grad
+        return torch.unique(torch.cat([torch.arange(sinks), torch.arange(p - recent, p)]))
 
 
 def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:

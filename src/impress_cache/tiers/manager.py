@@ -20,16 +20,18 @@ admission, promotion and demotion (IMPRESS section 3):
   as in the paper, where a disk read "competes with both minimums").
 
 Accesses: `get` and `put_from_disk` do not count as accesses. A request records one
-access per block with `touch` (or looks a batch up with `lookup`, which touches and
-gets each block under one lock); ``put_from_disk(..., important_share=x)`` only seeds
-the statistics of a block the policy has never seen. A block's class follows its policy
+access per block with `touch` (or looks a batch up with `lookup`, which gets each block
+under one lock and records its access, applied before anything else reads the tiers'
+state: `TouchLog`); ``put_from_disk(..., important_share=x)`` only seeds the statistics
+of a block the policy has never seen. A block's class follows its policy
 statistics and is re-evaluated when the block is touched.
 
 A request that holds a payload returned by a lookup keeps it valid after the block is
 evicted or moved (payloads are never modified in place), so reads need no pins.
 
-Thread safety: all public methods hold one re-entrant lock; the clock and the transforms
-are called under it.
+Thread safety: all public methods that read or change state hold one re-entrant lock
+(entering it applies the recorded accesses); the clock and the transforms are called
+under it. `pending_accesses` reads a length without it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .budget import TierSpace
 from .counters import TierCounters
 from .heaps import DEVICE, HOST, TIERS, Resident, TierHeaps
 from .policies.base import EvictionPolicy
-from .touchlog import TouchLog
+from .touchlog import MAX_PENDING, TouchLog
 from .view import TierError, TierView
 
 logger = logging.getLogger(__name__)
@@ -167,23 +169,27 @@ class TierManager(TierView):
         """
         log = self._lock
         with log.raw, self._protecting(keys):
+            if log.pending > MAX_PENDING:
+                log.drain()
             now = self._now()
             out: list[tuple[str, Any] | None] = []
             later: list[tuple[Hashable, float | None, float]] = []
-            for key, share, size in zip(keys, shares, sizes):
-                entry = self._where.get(key)
-                if entry is not None and entry.tier == HOST:  # may be promoted: state needed now
-                    log.record(later)
-                    later = []
-                    log.drain()
-                    self._touch(key, share, now)
-                    hit = self._get(key, size, now, sync=False)  # just touched
-                    out.append(None if hit is None else (HOST, hit[1]))
-                    continue
-                later.append((key, share, now))  # device hit or miss: the access can wait
-                self._get(key, size, now, sync=False)
-                out.append(None if entry is None else (entry.tier, entry.payload))
-            log.record(later)
+            try:
+                for key, share, size in zip(keys, shares, sizes):
+                    entry = self._where.get(key)
+                    if entry is not None and entry.tier == HOST:  # may be promoted: state needed now
+                        log.record(later)
+                        later = []
+                        log.drain()
+                        self._touch(key, share, now)
+                        hit = self._get(key, size, now, sync=False)  # just touched
+                        out.append(None if hit is None else (HOST, hit[1]))
+                        continue
+                    later.append((key, share, now))  # device hit or miss: the access can wait
+                    self._get(key, size, now, sync=False)
+                    out.append(None if entry is None else (entry.tier, entry.payload))
+            finally:
+                log.record(later)
             return out
 
     @property

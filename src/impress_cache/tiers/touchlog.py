@@ -20,6 +20,10 @@ from typing import Any
 #: one access: key, important share, clock value
 Touch = tuple[Hashable, "float | None", float]
 
+#: recorded accesses beyond which a lookup applies them itself (bounded memory when
+#: nothing else enters the lock for a long time)
+MAX_PENDING = 1 << 16
+
 
 class TouchLog:
     """A re-entrant lock that applies the recorded accesses when it is entered."""
@@ -46,11 +50,16 @@ class TouchLog:
         self._pending.extend(items)
 
     def drain(self) -> None:
-        """Apply every recorded access in order (the caller holds ``raw``)."""
+        """Apply every recorded access in order (the caller holds ``raw``). If applying
+        one raises, it and the ones after it stay recorded (the error propagates)."""
         while self._pending:
             batch, self._pending = self._pending, []
-            for key, share, now in batch:
-                self._apply(key, share, now)
+            for i, (key, share, now) in enumerate(batch):
+                try:
+                    self._apply(key, share, now)
+                except BaseException:
+                    self._pending = batch[i:] + self._pending
+                    raise
 
     @property
     def pending(self) -> int:
