@@ -18,7 +18,7 @@ from conftest import tiny_model
 from helpers import assert_same_as_uncached, run
 from impress_cache import ImpressCache, ImpressStore
 from impress_cache.store.remote import lazy
-from test_remote_tier import TESTS, _cfg, _doc, _objects, bucket  # noqa: F401 - the fixture
+from test_remote_tier import TESTS, _cfg, _doc, _objects
 
 SPARSE = dict(important_ratio=0.25, decode="keep", prefetch=False, device_bytes=0, host_bytes=0)
 
@@ -82,7 +82,8 @@ def test_a_rewritten_node_gets_its_own_object_and_round_trips_through_the_bucket
         m = c.match(longer[0].numpy())
         assert c._catalog.perm_of(m.segments[0].file_id) is not None  # the permutation came along
         got = _load_all(c, longer)
-    with ImpressStore(tmp_path / "n", model, _cfg(server, "never-shared")) as n:
+    with ImpressStore(tmp_path / "n", model, _cfg(server, "never-shared")) as n:  # the same prompts, in order
+        assert_same_as_uncached(model, n, doc)
         assert_same_as_uncached(model, n, longer)
         want = _load_all(n, longer)
     assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])

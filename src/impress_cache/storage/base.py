@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -200,6 +201,19 @@ class ChunkFormat(ABC):
     @abstractmethod
     def block_offsets(self, path: Path) -> dict[str, int]:
         """File offset of every block, by `BlockData.name` (for repair)."""
+
+
+def kind_of(path: Path) -> str | None:
+    """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def fsync_path(path: Path) -> None:

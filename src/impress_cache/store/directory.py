@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import uuid
 from pathlib import Path
 
 from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
+from ..storage.base import kind_of
 
 #: errors that mean "this path cannot be written"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -36,19 +36,6 @@ def read_only_error(path: Path, what: str) -> ReadOnlyStoreError:
         f"cannot write the store at {path} ({what}). A store on a read-only path can still serve: open it "
         "with ImpressStore(path, model, config, read_only=True)"
     )
-
-
-def kind_of(path: Path) -> str | None:
-    """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(mode):
-        return "link"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def ensure_dir(path: Path, mode: int, what: str) -> None:
