@@ -34,6 +34,9 @@ from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
 from .sparse import SparsePrefill
 
+#: matches a request tries when a matched file went before it was leased
+_REMATCHES = 3
+
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +66,7 @@ class PrefixRequest:
         t0 = time.perf_counter()
         try:
             self._plan()
-        except (StoreFormatError, StoreIOError) as exc:
+        except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:  # e.g. a file gone after its lease was checked
             self._reuse_nothing(exc)
         self.stats.load_seconds = time.perf_counter() - t0
 
@@ -98,8 +101,19 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
-        matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
-        self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+        for _ in range(_REMATCHES):
+            matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
+            self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+            if reused == 0:
+                break
+            k = self._rows_per_layer(reused)
+            # no disk eviction of these prefixes until their rows are in memory
+            self._lease = store.lease(matches, share=k / reused)
+            if not self._lease.stale:
+                break
+            # a matched node was rewritten (or evicted) before the lease: match again, and
+            # read the node that replaced it (else the reads fail and recompute)
+            self.release_lease()
         for i, (toks, m) in enumerate(zip(rows, matches)):
             used = max(0, reused - pads[i])
             self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
@@ -109,9 +123,6 @@ class PrefixRequest:
         if reused == 0:
             self.stats.match_seconds = time.perf_counter() - t0
             return
-        k = self._rows_per_layer(reused)
-        # no disk eviction of these prefixes until their rows are in memory
-        self._lease = store.lease(matches, share=k / reused)
         layouts = [store.layout(cut(m, reused - pads[i])) if reused > pads[i] else None for i, m in enumerate(matches)]
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused

@@ -372,6 +372,12 @@ class Catalog:
         self._drop_record(file_id)
         return rec
 
+    def indexed(self, file_id: int) -> bool:
+        """Whether a file is in the index now (reloaded if another process changed it)."""
+        with self.lock:
+            self.refresh()
+            return file_id in self.records
+
     def disk_bytes(self) -> int:
         """What the store puts on disk: its chunk files, its index (with WAL) and the
         two directories' own blocks."""

@@ -28,11 +28,11 @@ import torch
 
 from .. import probe as probe_codec
 from ..config import ImpressConfig
-from ..errors import ImpressError
+from ..errors import ImpressError, StoreLimitError
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
-from ..storage.base import KV, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
+from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
 from .activity import Activity
 from .binding import ProbeSpec
 from .catalog import Catalog
@@ -208,6 +208,11 @@ class PromptWriter:
             ks = [k.index_select(1, i) for k, i in zip(ks, idx)]
             vs = [v.index_select(1, i) for v, i in zip(vs, idx)]
         nb = -(-n // ct)
+        if nb > MAX_BLOCKS or layers > MAX_LAYERS:
+            raise StoreLimitError(
+                f"a chunk file holds at most {MAX_BLOCKS} blocks per layer and {MAX_LAYERS} layers; {n} rows in "
+                f"blocks of {ct} and {layers} layers do not fit (raise chunk_tokens)"
+            )
         file_uuid = uuid.uuid4()
         context = context_digest(tokens[:m])
         seeds = block_seeds(
