@@ -39,6 +39,17 @@ def _link_part(d: Path, model, server, prefix, doc) -> None:
     assert len(_sidecars(d)) == 1
 
 
+def _part_linked_on_b(bucket, tmp_path, monkeypatch):
+    """Host a stores a document; host b links it and has only part of its blocks."""
+    monkeypatch.setattr(lazy, "MAX_RANGES", 1000)
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
+        assert_same_as_uncached(model, a, doc)
+    _link_part(tmp_path / "b", model, server, prefix, doc)
+    return server, prefix, backend, model, doc
+
+
 def _load_all(store: ImpressStore, tokens: torch.Tensor):
     m = store.match(tokens[0].numpy())
     loaded = store.load(m.segments)
@@ -126,12 +137,7 @@ def test_objects_another_host_evicted_are_uploaded_again(bucket, tmp_path):
 
 
 def test_a_linked_file_whose_object_was_evicted_is_recomputed(bucket, tmp_path, monkeypatch):
-    monkeypatch.setattr(lazy, "MAX_RANGES", 1000)
-    server, prefix, backend = bucket
-    model, doc = tiny_model(), _doc()
-    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
-        assert_same_as_uncached(model, a, doc)
-    _link_part(tmp_path / "b", model, server, prefix, doc)
+    server, prefix, backend, model, doc = _part_linked_on_b(bucket, tmp_path, monkeypatch)
     backend.delete(_objects(backend, "obj"))  # another host's budget took it
     with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
         assert_same_as_uncached(model, b, doc)  # the missing blocks cannot come: recomputed
@@ -190,12 +196,7 @@ def test_two_processes_on_one_directory_share_linked_files(bucket, tmp_path):
 
 
 def test_a_sidecar_counts_in_the_disk_budget_and_goes_with_its_file(bucket, tmp_path, monkeypatch):
-    monkeypatch.setattr(lazy, "MAX_RANGES", 1000)
-    server, prefix, backend = bucket
-    model, doc = tiny_model(), _doc()
-    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
-        assert_same_as_uncached(model, a, doc)
-    _link_part(tmp_path / "b", model, server, prefix, doc)
+    server, prefix, backend, model, doc = _part_linked_on_b(bucket, tmp_path, monkeypatch)
     with ImpressStore(tmp_path / "b", model, _cfg(server, prefix, disk_bytes=1 << 30)) as b:
         side = b._remote.files.disk_bytes()
         assert side > 0

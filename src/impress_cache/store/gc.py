@@ -63,7 +63,6 @@ class StoreGC:
         from the index; later requests recompute those tokens.
         """
         catalog = self._catalog
-        removed: list[int] = []
         if catalog.index.read_only:
             self._forget_in_memory(file_id, reason)
             return
@@ -71,12 +70,7 @@ class StoreGC:
             try:
                 with catalog.index.transaction() as conn:
                     catalog.refresh()
-                    for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
-                        if catalog.tree.get(top.id) is not top:
-                            continue  # already removed as part of another subtree
-                        for node in catalog.tree.subtree(top):
-                            catalog.remove(conn, node)
-                            removed.append(node.id)
+                    removed = self._remove_dependents(file_id, lambda node: catalog.remove(conn, node))
                     record = catalog.records.get(file_id) or catalog.index.file(file_id)
                     dropped = catalog.drop_unreferenced_files(conn)
             except BaseException:
@@ -98,17 +92,25 @@ class StoreGC:
     def _forget_in_memory(self, file_id: int, reason: str) -> None:
         """Quarantine in a read-only store: this process stops using the file's nodes."""
         catalog = self._catalog
-        removed: list[int] = []
         with catalog.lock:
-            for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
-                if catalog.tree.get(top.id) is top:
-                    for node in catalog.tree.subtree(top):
-                        catalog.tree.remove(node)
-                        removed.append(node.id)
+            removed = self._remove_dependents(file_id, catalog.tree.remove)
             catalog.forget({file_id})
             self._values.forget(removed)
             self.counters.quarantined_files += 1
         log.warning("read-only store: not using chunk file %s any more (%s)", file_id, reason)
+
+    def _remove_dependents(self, file_id: int, remove: Callable[[RadixNode], None]) -> list[int]:
+        """Remove (``remove``, children first) the nodes stored in ``file_id`` and every
+        node below them; returns their ids. Under the catalog lock."""
+        tree = self._catalog.tree
+        removed: list[int] = []
+        for top in [n for n in tree.nodes() if n.file_id == file_id]:
+            if tree.get(top.id) is not top:
+                continue  # already removed as part of another subtree
+            for node in tree.subtree(top):
+                remove(node)
+                removed.append(node.id)
+        return removed
 
     def _move_aside(self, name: str) -> None:
         root = self._catalog.root
