@@ -22,20 +22,25 @@ def _doc(seed: int = 0, n: int = 150) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_node_rewritten_between_match_and_lease_is_matched_again(tmp_path):
+@pytest.mark.parametrize("rewriter", ["this store", "another store on the directory"])
+def test_a_node_rewritten_between_match_and_lease_is_matched_again(tmp_path, rewriter):
+    """The request matches, the rewrite commits (by this store, or by another one on the
+    directory: another process's view), then the request leases: it matches again and
+    reads the new file; nothing is quarantined."""
     model, doc = tiny_model(), _doc()
     with ImpressStore(tmp_path, model, ImpressConfig(**CFG)) as store:
         assert_same_as_uncached(model, store, doc)
-        m = store.match(doc[0].numpy())
+        other = store if rewriter == "this store" else ImpressStore(tmp_path, model, ImpressConfig(**CFG))
+        m = other.match(doc[0].numpy())
         imp = np.zeros((model.config.num_hidden_layers, m.length), np.float32)
         imp[:, ::4] = 1.0  # important rows in every block: a rewrite packs them
-        store.record_importance(m.segments, imp)
-        store._reorder.reorganizer._ratio = 0.25  # plans as a sparse store would; requests stay dense
+        other.record_importance(m.segments, imp)
+        other._reorder.reorganizer._ratio = 0.25  # plans as a sparse store would; requests stay dense
         real_lease, rewrites = store.lease, []
 
         def lease(matches, share=1.0):  # the request has matched; the rewrite commits now
             if not rewrites:
-                rewrites.append(store.reorganize(force=True))
+                rewrites.append(other.reorganize(force=True))
             return real_lease(matches, share)
 
         store.lease = lease
@@ -45,6 +50,8 @@ def test_a_node_rewritten_between_match_and_lease_is_matched_again(tmp_path):
         assert cache.stats.quarantined_files == 0 and store.stats()["quarantined_files"] == 0
         m = store.match(doc[0].numpy())
         assert all(store._catalog.perm_of(seg.file_id) is not None for seg in m.segments)
+        if other is not store:
+            other.close()
 
 
 def test_a_failed_save_of_the_statistics_keeps_them_for_the_next(tmp_path):

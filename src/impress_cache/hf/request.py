@@ -177,8 +177,8 @@ class PrefixRequest:
 
     def _quarantine(self, exc: CorruptBlockError) -> None:
         try:
-            self.store.quarantine(exc.file_id, str(exc))
-            self.stats.quarantined_files += 1
+            if self.store.quarantine(exc.file_id, str(exc)):
+                self.stats.quarantined_files += 1
         except (StoreFormatError, StoreIOError) as err:  # the index cannot record it: recompute anyway
             log.warning("could not quarantine file %s of %s: %s", exc.file_id, self.store.path, err)
 

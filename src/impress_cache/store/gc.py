@@ -56,16 +56,19 @@ class StoreGC:
         self.counters = GCCounters()
 
     # -- damaged files ---------------------------------------------------------------
-    def quarantine(self, file_id: int, reason: str) -> None:
+    def quarantine(self, file_id: int, reason: str) -> bool:
         """Move a damaged chunk file aside and forget every prefix that needs it.
 
         Nodes stored in the file, and everything below them in the tree, are removed
-        from the index; later requests recompute those tokens.
+        from the index; later requests recompute those tokens. A file that is no longer
+        in the index and that no node needs (rewritten or evicted, by this or another
+        process, since a request matched it) is not damaged: nothing is counted and the
+        result is False.
         """
         catalog = self._catalog
         if catalog.index.read_only:
             self._forget_in_memory(file_id, reason)
-            return
+            return True
         with catalog.lock:
             try:
                 with catalog.index.transaction() as conn:
@@ -81,6 +84,9 @@ class StoreGC:
                 if rec.id != file_id:
                     self._leases.defer_unlink(rec.id, rec.name)
             catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
+            if record is None and not removed:
+                log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
+                return False
             if record is not None and FILE_NAME.match(record.name):
                 self._move_aside(record.name)
             self.counters.quarantined_files += 1
@@ -88,6 +94,7 @@ class StoreGC:
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
             record.name if record else file_id, reason, len(removed),
         )
+        return True
 
     def _forget_in_memory(self, file_id: int, reason: str) -> None:
         """Quarantine in a read-only store: this process stops using the file's nodes."""

@@ -427,11 +427,11 @@ class ImpressStore:
         self._stats.forget(file_ids)
 
     # -- maintenance -----------------------------------------------------------------
-    def quarantine(self, file_id: int, reason: str) -> None:
+    def quarantine(self, file_id: int, reason: str) -> bool:
         """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
-        it; later requests recompute those tokens."""
+        it; later requests recompute those tokens. False: the file had left the index."""
         self._remote.quarantined(self._catalog.records.get(file_id))
-        self._gc.quarantine(file_id, reason)
+        return self._gc.quarantine(file_id, reason)
 
     def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
         """Remove the least valuable unused prefixes until the store fits ``disk_bytes``.
