@@ -123,6 +123,8 @@ class RemoteFiles:
             os.unlink(side, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # e.g. closed meanwhile: the next open removes it (its file is gone)
+            log.debug("could not remove the sidecar %s: %s", side, exc)
 
     def _load(self, local: str, drop_bad: bool = False) -> _Lazy | None:
         """The sidecar of ``local`` (written by this or another process sharing the
