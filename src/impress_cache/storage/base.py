@@ -56,10 +56,7 @@ def block_code(file_id, layer, block):  # type: ignore[no-untyped-def]
     build and look up than a `BlockKey` on the read path's hot loops. Raises
     `StoreLimitError` when a part is negative or too large for its bits (two blocks
     would share a code)."""
-    if (
-        np.any(np.asarray(file_id) >> _FILE_BITS) or np.any(np.asarray(layer) >> _LAYER_BITS)
-        or np.any(np.asarray(block) >> _BLOCK_BITS)
-    ):
+    if np.any((file_id >> _FILE_BITS) | (layer >> _LAYER_BITS) | (block >> _BLOCK_BITS)):  # negative: -1
         raise StoreLimitError(
             f"block code out of range: file ids, layers and blocks must be below {MAX_FILE_ID + 1}, {MAX_LAYERS} "
             f"and {MAX_BLOCKS} (got file {np.max(file_id)}, layer {np.max(layer)}, block {np.max(block)}, or a "
