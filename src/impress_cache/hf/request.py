@@ -196,6 +196,8 @@ class PrefixRequest:
         rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
         if self.prefill_started is not None:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
+        if self.store.tiers.pending_accesses:  # the memory tiers' bookkeeping, off the request's path
+            self.store.fetcher.submit(self.store.tiers.settle)
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full" and self._recomputed is None:
