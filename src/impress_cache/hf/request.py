@@ -101,7 +101,7 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
-        for _ in range(_REMATCHES):
+        for attempt in range(_REMATCHES):
             matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
             self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
             if reused == 0:
@@ -109,10 +109,10 @@ class PrefixRequest:
             k = self._rows_per_layer(reused)
             # no disk eviction of these prefixes until their rows are in memory
             self._lease = store.lease(matches, share=k / reused)
-            if not self._lease.stale:
-                break
+            if not self._lease.stale or attempt == _REMATCHES - 1:
+                break  # (still stale after the last match: its reads fail and recompute)
             # a matched node was rewritten (or evicted) before the lease: match again, and
-            # read the node that replaced it (else the reads fail and recompute)
+            # read the node that replaced it
             self.release_lease()
         for i, (toks, m) in enumerate(zip(rows, matches)):
             used = max(0, reused - pads[i])
