@@ -197,7 +197,10 @@ class PrefixRequest:
         if self.prefill_started is not None:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
         if self.store.tiers.pending_accesses:  # the memory tiers' bookkeeping, off the request's path
-            self.store.fetcher.submit(self.store.tiers.settle)
+            try:
+                self.store.fetcher.submit(self.store.tiers.settle)
+            except RuntimeError:  # the store is closing: the next call into the tiers applies them
+                pass
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full" and self._recomputed is None:

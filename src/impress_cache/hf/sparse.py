@@ -51,6 +51,9 @@ class SparsePrefill:
         self.room = room
         #: blocks this request has read, by key (the decode-time read skips them)
         self.memo: dict[int, torch.Tensor] = {}
+        #: only a later read of the same blocks uses them: the whole prefix for
+        #: ``decode="full"``, or a layer's own read after its read-ahead
+        self._keep_memo = store.config.decode == "full" or bool(store.config.prefetch)
         #: ``selections[layer][batch_row]``: prefix positions attended (relative to the
         #: row's first real token; ``[k]`` shared or ``[kv_heads, k]``)
         self.selections: dict[int, dict[int, torch.Tensor]] = {}
@@ -93,7 +96,9 @@ class SparsePrefill:
         if recomputed is not None:
             self.stats.recomputed_layers += 1
         batch = key_states.shape[0]
-        buf = prefix_buffer(self.store, batch, self.k, self.room, True)
+        # zeros only where a row leaves some of the k rows unfilled (masked, but never garbage)
+        lays = [self.layouts[self.row_of(i)] for i in range(batch)]
+        buf = prefix_buffer(self.store, batch, self.k, self.room, any(lay is None or lay.length < self.k for lay in lays))
         sims, thresholds, fell_back = [], [], False
         for i in range(batch):
             src = self.row_of(i)
@@ -125,11 +130,16 @@ class SparsePrefill:
         return buf, self.k
 
     def _read_ahead(self, layer_idx: int) -> None:
-        """Start reading, for the next layer, the blocks this layer chose (per batch row)."""
+        """Start reading, for the next layer, the blocks this layer chose (per batch row);
+        with ``prefetch="agreed"`` only those the layer before chose as well."""
+        agreed = self.store.config.prefetch == "agreed"
         for i, rows in self.selections.get(layer_idx - 1, {}).items():
             lay = self.layouts[self.row_of(i)]
             assert lay is not None
             units = lay.at(layer_idx - 1).units_for(rows.reshape(-1))
+            before = self.selections.get(layer_idx - 2, {}).get(i) if agreed else None
+            if before is not None:
+                units = sorted(set(units).intersection(lay.at(layer_idx - 2).units_for(before.reshape(-1))))
             if len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
                 self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
 
@@ -214,6 +224,8 @@ class SparsePrefill:
 
     def _remember(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int], blocks: BlockSet) -> None:
         """Keep the blocks read (by `block_code`) for the decode-time read of the prefix."""
+        if not self._keep_memo:
+            return
         slots = blocks.pool.unbind(0)
         for code, slot in zip(lay.codes(units, layer_idx), blocks.slot_of):
             self.memo.setdefault(code, slots[slot])

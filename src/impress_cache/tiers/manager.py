@@ -129,7 +129,8 @@ class TierManager(TierView):
     # ================================================================== properties
     @property
     def policy(self) -> EvictionPolicy:
-        """The eviction policy (shared, not a copy)."""
+        """The eviction policy (shared, not a copy), with every recorded access applied."""
+        self.settle()
         return self._policy
 
     @property
