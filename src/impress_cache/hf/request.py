@@ -35,6 +35,9 @@ from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
 from .sparse import SparsePrefill
 
+#: matches a request tries when a matched file went before it was leased
+_REMATCHES = 3
+
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +72,7 @@ class PrefixRequest:
         t0 = time.perf_counter()
         try:
             self._plan()
-        except (StoreFormatError, StoreIOError) as exc:
+        except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:  # e.g. a file gone after its lease was checked
             self._reuse_nothing(exc)
         self.stats.load_seconds = time.perf_counter() - t0
 
@@ -104,8 +107,19 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
-        matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
-        self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+        for attempt in range(_REMATCHES):
+            matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
+            self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+            if reused == 0:
+                break
+            k = self._rows_per_layer(reused)
+            # no disk eviction of these prefixes until their rows are in memory
+            self._lease = store.lease(matches, share=k / reused)
+            if not self._lease.stale or attempt == _REMATCHES - 1:
+                break  # (still stale after the last match: its reads fail and recompute)
+            # a matched node was rewritten (or evicted) before the lease: match again, and
+            # read the node that replaced it
+            self.release_lease()
         for i, (toks, m) in enumerate(zip(rows, matches)):
             used = max(0, reused - pads[i])
             self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
@@ -115,9 +129,6 @@ class PrefixRequest:
         if reused == 0:
             self.stats.match_seconds = time.perf_counter() - t0
             return
-        k = self._rows_per_layer(reused)
-        # no disk eviction of these prefixes until their rows are in memory
-        self._lease = store.lease(matches, share=k / reused)
         layouts = [store.layout(cut(m, reused - pads[i])) if reused > pads[i] else None for i, m in enumerate(matches)]
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
@@ -172,8 +183,8 @@ class PrefixRequest:
 
     def _quarantine(self, exc: CorruptBlockError) -> None:
         try:
-            self.store.quarantine(exc.file_id, str(exc))
-            self.stats.quarantined_files += 1
+            if self.store.quarantine(exc.file_id, str(exc)):
+                self.stats.quarantined_files += 1
         except (StoreFormatError, StoreIOError) as err:  # the index cannot record it: recompute anyway
             log.warning("could not quarantine file %s of %s: %s", exc.file_id, self.store.path, err)
 

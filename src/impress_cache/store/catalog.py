@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +49,14 @@ class OpenFile:
     fd: int | None = None
     #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
     perm: np.ndarray | None = None
+
+
+class Companions(Protocol):
+    """Files kept beside chunk files (see `Catalog.companions`)."""
+
+    def drop(self, name: str) -> None: ...
+
+    def disk_bytes(self) -> int: ...
 
 
 def _dir_blocks(path: Path) -> int:
@@ -85,6 +94,9 @@ class Catalog:
         self.records: dict[int, FileRecord] = {}
         #: bytes the indexed chunk files take on disk (sum of their records' ``file_bytes``)
         self.chunk_bytes = 0
+        #: files kept beside some chunk files (the remote tier's sidecars): removed with
+        #: their chunk file (`unlink`) and counted in `disk_bytes`
+        self.companions: Companions | None = None
         self._load()
 
     def _load(self) -> None:
@@ -360,11 +372,18 @@ class Catalog:
         self._drop_record(file_id)
         return rec
 
+    def indexed(self, file_id: int) -> bool:
+        """Whether a file is in the index now (reloaded if another process changed it)."""
+        with self.lock:
+            self.refresh()
+            return file_id in self.records
+
     def disk_bytes(self) -> int:
         """What the store puts on disk: its chunk files, its index (with WAL) and the
         two directories' own blocks."""
         dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
-        return self.chunk_bytes + self.index.footprint() + dirs
+        side = self.companions.disk_bytes() if self.companions is not None else 0
+        return self.chunk_bytes + self.index.footprint() + dirs + side
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""
@@ -373,3 +392,5 @@ class Catalog:
                 os.unlink(name, dir_fd=self.chunks_fd)
             except FileNotFoundError:
                 pass
+            if self.companions is not None:
+                self.companions.drop(name)
