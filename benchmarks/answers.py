@@ -32,12 +32,15 @@ first token reaching a streamer.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -326,7 +329,7 @@ def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
         cfg: dict[str, Any] = {}
         for kv in kvs.split(","):
             k, v = kv.split("=")
-            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o") else v
+            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed") else v
         out[name] = cfg
     return out
 
@@ -339,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", default=["prose", "code"])
     p.add_argument("--questions", type=int, default=8, help="questions per text (at most 8)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
-    p.add_argument("--work", default="/tmp/impress-answers", help="stored prefixes and dense references, kept between runs")
+    p.add_argument("--work", default=None,
+                   help="directory for the stored prefixes and dense references, kept for later runs "
+                        "(default: a temporary directory removed at the end)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="1k and 2k, 4 questions per text, variants full and keep")
     p.add_argument("--prepare", action="store_true", help="only store the prefixes and compute the dense answers")
@@ -352,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
         print(json.dumps(result["goals"], indent=1))
         return 0
+    if args.prepare and not args.work:
+        p.error("--prepare stores prefixes for later runs: give --work DIR")
     if args.quick:
         args.lengths, args.questions, args.variants = [1024, 2048], 4, ["full", "keep"]
     variants = {} if args.prepare else parse_variants(args.variants)
@@ -362,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     # no memory tiers (every request reads from disk), no background reorganisation (the
     # stored layout stays the same for every variant)
     base = dict(chunk_tokens=ImpressConfig().chunk_tokens, probe_dtype="int4", device_bytes=0, host_bytes=0, reorg_idle_ms=None)
-    work = Path(args.work)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="impress-answers-"))
+    if not args.work:
+        atexit.register(shutil.rmtree, work, True)
     per_token = kv_bytes_per_token(model)
     rows: list[dict[str, Any]] = []
     for length in args.lengths:

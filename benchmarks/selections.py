@@ -37,6 +37,10 @@ try:  # the demo helpers moved in the redesign; both layouts are supported here
 except ImportError:  # pragma: no cover - older layout
     from impress_cache.models import load_smollm2  # type: ignore[no-redef]
 
+#: no background reordering: a rewrite between runs would change the blocks (and with
+#: them block selections) depending on timing
+FIXED = {"reorg_idle_ms": None}
+
 CONFIGS = [
     {"important_ratio": r, "selection": s, "decode": d}
     for r in (0.1, 0.25)
@@ -85,13 +89,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 questions = [QUESTION[kind], EXTRA_QUESTIONS[kind][0]]
                 path = Path(tmp) / f"{kind}-{length}"
                 first = torch.tensor([prefix + tok(questions[0], add_special_tokens=False)["input_ids"]])
-                with ImpressStore(path, model, ImpressConfig(important_ratio=1.0)) as store, torch.no_grad():
+                with ImpressStore(path, model, ImpressConfig(important_ratio=1.0, **FIXED)) as store, torch.no_grad():
                     c = ImpressCache(store, first[:, : len(prefix) + 1])
                     model(first[:, : len(prefix) + 1], past_key_values=c, use_cache=True)
                 for qi, q in enumerate(questions):
                     ids = torch.tensor([prefix + tok(q, add_special_tokens=False)["input_ids"]])
                     for cfg in CONFIGS:
-                        with ImpressStore(path, model, ImpressConfig(**cfg)) as store:
+                        with ImpressStore(path, model, ImpressConfig(**cfg, **FIXED)) as store:
                             res = one_run(model, store, ids)
                         rows.append({"corpus": kind, "prefix_tokens": length, "question": qi, **cfg, **res})
                         print(json.dumps(rows[-1]), flush=True)

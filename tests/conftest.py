@@ -84,6 +84,23 @@ def seaweed(tmp_path_factory):
         yield server
 
 
+#: the bucket the remote-tier tests use (each test under a key prefix of its own)
+BUCKET = "kvbucket"
+
+
+@pytest.fixture
+def bucket(seaweed):
+    """A fresh key prefix in the shared server's bucket: ``(server, prefix, backend)``."""
+    import uuid
+
+    from impress_cache.storage.s3_remote import S3Backend
+
+    prefix = uuid.uuid4().hex[:12]
+    backend = S3Backend(BUCKET, prefix, seaweed.options)
+    backend.ensure_bucket()
+    return seaweed, prefix, backend
+
+
 @pytest.fixture
 def own_seaweed(tmp_path):
     """A SeaweedFS server of one test's own, for tests that kill or pause it."""

@@ -15,6 +15,7 @@ from .errors import (
     ReadOnlyStoreError,
     StoreFormatError,
     StoreIOError,
+    StoreLimitError,
     UnsupportedModelError,
 )
 from .hf.cache import ImpressCache
@@ -37,6 +38,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "StoreFormatError",
     "StoreIOError",
+    "StoreLimitError",
     "RequestStats",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",

@@ -24,6 +24,8 @@ from .validate import (
 )
 
 _DECODES = ("full", "keep")
+#: read-ahead of a sparse prefill (``prefetch``; ``True`` is ``"next"``)
+PREFETCH_MODES = ("next", "agreed")
 _KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -131,13 +133,16 @@ class ImpressConfig:
         fewer bytes than 0 in the workload benchmark for 1 % more before the first
         token (docs: Memory tiers).
     prefetch:
-        Sparse prefills only: once a layer has chosen its blocks, start reading the same
-        blocks of the next layer (adjacent layers select largely the same ones), so that
-        the next layer finds most of its rows read; what it chose besides is read then.
-        Blocks read this way but not chosen count as invalid I/O (and, with
-        ``decode="full"``, are not read again for decoding). Off by default: in the
-        answers benchmark those blocks were 0.07 to 0.13 of the prefix's bytes read
-        before the first token at 1k-2k tokens (docs: Sparse loading).
+        Sparse prefills only: once a layer has chosen its blocks, start reading blocks of
+        the next layer (adjacent layers select largely the same ones), so that the next
+        layer finds most of its rows read; what it chose besides is read then. ``True``
+        (or ``"next"``): the blocks this layer chose; ``"agreed"``: the blocks both this
+        layer and the one before chose (fewer wrong guesses: at 4k-8k tokens, half the
+        blocks read in vain for 0.64 instead of 0.75 of the needed ones found read;
+        docs: Performance). Blocks read this way but not chosen count as invalid I/O
+        (and, with ``decode="full"``, are not read again for decoding). Off by default:
+        in the answers benchmark those blocks were 0.07 to 0.13 of the prefix's bytes
+        read before the first token at 1k-2k tokens (docs: Sparse loading).
     file_mode:
         Permission bits of the store's files (``0o600``, the default: only the owner
         can read the K/V, from which prompts can be reconstructed). Directories get the
@@ -209,7 +214,7 @@ class ImpressConfig:
     half_life_s: float | None = 600.0
     unimportant_weight: float = DEFAULT_UNIMPORTANT_WEIGHT
     stats_interval_s: float | None = 60.0
-    prefetch: bool = False
+    prefetch: bool | str = False
     reorg_idle_ms: float | None = 50.0
     reorg_min_requests: int = 4
     reorg_min_gain: float = 0.2
@@ -237,7 +242,9 @@ class ImpressConfig:
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)
         check_int("io_threads", self.io_threads, 1, 256)
-        for name in ("fsync", "prefetch", "refresh_new_tokens"):
+        if not isinstance(self.prefetch, bool):
+            check_choice("prefetch", self.prefetch, PREFETCH_MODES)
+        for name in ("fsync", "refresh_new_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("device_bytes", self.device_bytes, 0)

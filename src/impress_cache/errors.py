@@ -28,6 +28,11 @@ class StoreFormatError(ImpressError):
     (another schema version, a damaged index); the message names the file and what to do."""
 
 
+class StoreLimitError(ImpressError, ValueError):
+    """A file, layer or block number beyond what the store addresses (`storage.base.block_code`:
+    4,096 layers, 1,048,576 blocks per layer of one file, 2^31 file ids)."""
+
+
 class CorruptBlockError(ImpressError, IOError):
     """A stored block is missing, truncated or fails its checksum."""
 

@@ -91,3 +91,28 @@ def test_kept_rows_are_always_selected(tmp_path):
         for head_rows in rows.reshape(-1, rows.shape[-1]):
             chosen = set(head_rows.tolist())
             assert set(range(4)) <= chosen and set(range(p - 32, p)) <= chosen
+
+
+def test_after_the_refresh_later_steps_equal_dense(tmp_path):
+    """Once the prefix is restored and the new tokens refreshed, the next step's logits are
+    those of exact reuse (and, without the refresh, they are not)."""
+    from impress_cache.hf.compat import CACHE_KWARG
+
+    model = tiny_model("llama", "sdpa")
+    ids, mask = _prompts(tmp_path, model, False)
+    step = torch.tensor([[7]])
+    logits = {}
+    for name, cfg in (("dense", DENSE), ("refresh", SPARSE), ("stale", {**SPARSE, "refresh_new_tokens": False})):
+        with ImpressStore(tmp_path, model, ImpressConfig(**cfg)) as store:
+            cache = ImpressCache(store, ids, attention_mask=mask)
+            run(model, ids, mask, cache, new_tokens=1)  # the prefill; the step below is the first decode step
+            with torch.no_grad():
+                out = model(step, attention_mask=torch.ones(1, ids.shape[1] + 1, dtype=torch.long), use_cache=True,
+                            **{CACHE_KWARG: cache})
+            logits[name] = out.logits[0, -1]
+            if name != "dense":
+                assert cache.stats.bytes_read_decode > 0  # the rest of the prefix was restored
+    fresh = (logits["refresh"] - logits["dense"]).abs().max().item()
+    stale = (logits["stale"] - logits["dense"]).abs().max().item()
+    assert fresh < 1e-5  # float noise (6e-8 here)
+    assert stale > 10 * max(fresh, 1e-6)  # 2e-4 here: this tiny random model's logits are small

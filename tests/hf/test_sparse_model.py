@@ -154,3 +154,50 @@ def test_damaged_probe_copy_is_quarantined_and_the_prefix_recomputed(tmp_path):
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
         again = assert_same_as_uncached(model, store, q)
         assert again.stats.matched_tokens == 0
+
+
+def test_prefetch_changes_reads_not_answers(tmp_path):
+    """Reading the next layer's blocks ahead (``prefetch``) selects and answers the same;
+    ``"agreed"`` reads ahead only what two layers chose, so never more than ``"next"``."""
+    from impress_cache.errors import ConfigError
+
+    model = tiny_model("llama", "sdpa", num_hidden_layers=4)
+    doc = _tok(9, 512)
+    store_dense(tmp_path, model, doc.unsqueeze(0))
+    q = torch.cat([doc, _tok(10, 10)]).unsqueeze(0)
+    got = {}
+    for mode in (False, True, "next", "agreed"):
+        cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", prefetch=mode, reorg_idle_ms=None)
+        with ImpressStore(tmp_path, model, cfg) as store:
+            cache = ImpressCache(store, q)
+            seqs, logits = run(model, q, cache=cache, new_tokens=3)
+            got[mode] = (seqs, logits, cache.selections, cache.stats)
+    seqs, logits, sel, off = got[False]
+    assert off.prefetch_hit_rate == 0.0
+    for mode in (True, "next", "agreed"):
+        m_seqs, m_logits, m_sel, stats = got[mode]
+        assert torch.equal(m_seqs, seqs) and torch.equal(m_logits, logits)
+        assert {k: [t.tolist() for t in v.values()] for k, v in m_sel.items()} == {
+            k: [t.tolist() for t in v.values()] for k, v in sel.items()
+        }
+        assert stats.prefetch_hit_rate > 0.0
+        assert stats.bytes_read_rows >= off.bytes_read_rows  # read ahead: never fewer blocks
+    assert got["agreed"][3].bytes_read_rows <= got["next"][3].bytes_read_rows
+    assert got[True][3].bytes_read_rows == got["next"][3].bytes_read_rows
+    with pytest.raises(ConfigError, match="prefetch"):
+        ImpressConfig(prefetch="sometimes")
+
+
+def test_agreed_read_ahead_with_nothing_agreed(tmp_path):
+    """Two layers that choose no block in common start no read-ahead (tiny selections)."""
+    model = tiny_model("llama", "sdpa", num_hidden_layers=6)
+    doc = _tok(11, 512)
+    store_dense(tmp_path, model, doc.unsqueeze(0))
+    q = torch.cat([doc, _tok(12, 6)]).unsqueeze(0)
+    out = {}
+    for mode in (False, "agreed"):
+        cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.02, decode="keep", prefetch=mode, reorg_idle_ms=None)
+        with ImpressStore(tmp_path, model, cfg) as store:
+            cache = ImpressCache(store, q)
+            out[mode] = run(model, q, cache=cache, new_tokens=2)
+    assert torch.equal(out[False][0], out["agreed"][0]) and torch.equal(out[False][1], out["agreed"][1])

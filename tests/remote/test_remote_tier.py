@@ -12,20 +12,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
+from conftest import BUCKET, VOCAB, tiny_model
 from helpers import assert_same_as_uncached
 from impress_cache import ConfigError, ImpressConfig, ImpressStore
 from impress_cache.storage.s3_remote import S3Backend
 from impress_cache.store import CHUNK_DIR
 
 TESTS = Path(__file__).resolve().parents[1]
-BUCKET = "kvbucket"
 
 
 def _doc(seed=0, n=150):
@@ -37,15 +35,6 @@ def _cfg(server, prefix, **kw):
     kw = {"chunk_tokens": 16, "important_ratio": 1.0, "fsync": False, "remote_retry_s": 0.5,
           "remote_options": server.options, **kw}
     return ImpressConfig(remote=f"s3://{BUCKET}/{prefix}", **kw)
-
-
-@pytest.fixture
-def bucket(seaweed):
-    """A fresh key prefix in the shared server's bucket: ``(server, prefix, backend)``."""
-    prefix = uuid.uuid4().hex[:12]
-    backend = S3Backend(BUCKET, prefix, seaweed.options)
-    backend.ensure_bucket()
-    return seaweed, prefix, backend
 
 
 def _objects(backend, kind):
@@ -66,7 +55,7 @@ _HOST_A = textwrap.dedent(
     """
     import json, sys, torch
     sys.path.insert(0, {tests!r})
-    from conftest import VOCAB, tiny_model
+    from conftest import BUCKET, VOCAB, tiny_model
     from impress_cache import ImpressCache, ImpressConfig, ImpressStore
     from impress_cache.hf.compat import CACHE_KWARG
     cfg = ImpressConfig(**json.loads(sys.argv[2]))

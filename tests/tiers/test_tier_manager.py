@@ -436,6 +436,103 @@ def test_batch_lookup_and_admit_equal_single_calls() -> None:
     a._check_invariants()
 
 
+class EagerLookup(TierManager):
+    """`lookup` as it was before accesses were deferred: each key touched, then looked up,
+    at once (the specification the deferred version must match)."""
+
+    def lookup(self, keys, shares, sizes):  # type: ignore[no-untyped-def]
+        with self._lock, self._protecting(keys):
+            now = self._now()
+            out = []
+            for key, share, size in zip(keys, shares, sizes):
+                self._touch(key, share, now)
+                entry = self._where.get(key)
+                found = None if entry is None else entry.tier
+                hit = self._get(key, size, now, sync=False)
+                out.append(None if hit is None or found is None else (found, hit[1]))
+            return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True),
+            st.floats(0.0, 1.0),
+            st.sampled_from(["admit", "settle", "export", "evict", "touch", "none"]),
+            st.floats(0.0, 30.0),
+        ),
+        max_size=40,
+    ),
+    policy=st.sampled_from(["lru", "lfu", "score"]),
+    host=st.sampled_from([0, 200]),
+)
+def test_deferred_accesses_change_nothing(steps, policy: str, host: int) -> None:
+    """`lookup` records device hits and misses and applies them later (`TouchLog`): every
+    answer, residency, counter and statistic equals applying each access at once,
+    whatever comes in between (host hits, admissions, evictions, time)."""
+    ca, cb = FakeClock(), FakeClock()
+    a = TierManager(150, host, make_policy(policy), clock=ca)
+    b = EagerLookup(150, host, make_policy(policy), clock=cb)
+    for keys, share, op, dt in steps:
+        got = a.lookup(keys, [share] * len(keys), [50] * len(keys))
+        assert got == b.lookup(keys, [share] * len(keys), [50] * len(keys))
+        misses = [(k, f"p{k}", 50, share) for k, g in zip(keys, got) if g is None]
+        if op == "admit":
+            assert a.admit(misses, protect=keys) == b.admit(misses, protect=keys)
+        elif op == "settle":
+            a.settle()
+        elif op == "export":
+            assert a.export_stats() == b.export_stats()
+        elif op == "evict":
+            assert a.evict(keys[0]) == b.evict(keys[0])
+        elif op == "touch":
+            a.touch(keys[-1], share)
+            b.touch(keys[-1], share)
+        ca.advance(dt)
+        cb.advance(dt)
+    assert a.stats() == b.stats()
+    for tier in (DEVICE, HOST):
+        assert sorted(map(str, a.blocks(tier))) == sorted(map(str, b.blocks(tier)))
+    assert a.export_stats() == b.export_stats()
+    assert a.pending_accesses == 0  # every call above applied what was pending
+    a._check_invariants()
+
+
+def test_lookup_defers_device_hits_and_settle_applies_them() -> None:
+    mgr = TierManager(300, 0, LFUPolicy(), clock=FakeClock())
+    assert mgr.admit([(k, k, 100, 1.0) for k in "abc"]) == [DEVICE] * 3
+    assert mgr.lookup(["a", "b", "z"], [1.0] * 3, [100] * 3) == [(DEVICE, "a"), (DEVICE, "b"), None]
+    assert mgr.pending_accesses == 3  # recorded, not applied: the request path paid only lookups
+    assert mgr.settle() == 3 and mgr.pending_accesses == 0
+    stats = mgr.export_stats()
+    assert stats["a"]["count"] == stats["b"]["count"] == stats["z"]["count"] == 1  # each looked up once
+    assert stats["c"]["count"] == 0
+
+
+def test_a_failing_recorded_access_is_kept_and_retried() -> None:
+    from impress_cache.tiers.touchlog import TouchLog
+
+    seen, fail = [], {"b"}
+
+    def apply(key, share, now):
+        if key in fail:
+            raise RuntimeError(key)
+        seen.append(key)
+
+    log = TouchLog(apply)
+    with log.raw:
+        log.record([("a", 1.0, 0.0), ("b", 1.0, 0.0), ("c", 1.0, 0.0)])
+    with pytest.raises(RuntimeError):
+        with log:
+            pass
+    assert seen == ["a"] and log.pending == 2  # b and c stay recorded, in order
+    fail.clear()
+    with log:
+        pass
+    assert seen == ["a", "b", "c"] and log.pending == 0
+
+
 def test_a_batch_never_evicts_its_own_blocks() -> None:
     """Admitting the misses of a request never evicts the request's other blocks."""
     mgr = TierManager(0, 200, LRUPolicy(), class_shares={"high": 1.0, "medium": 0.0, "low": 0.0}, clock=FakeClock())

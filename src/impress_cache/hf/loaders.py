@@ -82,6 +82,26 @@ def prefix_buffer(store: ImpressStore, batch: int, rows: int, room: int, zero: b
     return (torch.zeros if zero else torch.empty)(shape, dtype=spec.torch_kv_dtype)
 
 
+#: one batch row's read of one layer: its layer view, the units read and the pending read
+_RowRead = tuple[Any, list[int], Any]
+
+
+def _start_reads(
+    store: ImpressStore, layouts: list[PrefixLayout | None], kind: int, layer: int, place_hits: bool = True
+) -> tuple[int, list[_RowRead | None]]:
+    """Start reading ``layer``'s blocks of ``kind`` for every batch row (``None``: a row
+    without a stored prefix); the units are computed once, for the read and the gather."""
+    reads: list[_RowRead | None] = []
+    for lay in layouts:
+        if lay is None:
+            reads.append(None)
+            continue
+        view = lay.at(layer)
+        units = view.units_all()
+        reads.append((view, units, store.start_layout(lay, kind, [layer], units, place_hits=place_hits)))
+    return layer, reads
+
+
 class DenseLoader:
     """Every prefix row of every layer, gathered into per-layer buffers in the background."""
 
@@ -103,21 +123,18 @@ class DenseLoader:
         self._lock = threading.Lock()
         self._bg = _Background(store, store.spec.num_layers, self._gather, self._start)
 
-    def _start(self, layer: int) -> tuple[int, list[Any]]:
-        return layer, [
-            None if lay is None else self._store.start_layout(lay, KV, [layer], lay.at(layer).units_all(), place_hits=False)
-            for lay in self._layouts
-        ]
+    def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
+        return _start_reads(self._store, self._layouts, KV, layer, place_hits=False)
 
-    def _gather(self, started: tuple[int, list[Any]]) -> torch.Tensor:
-        layer, reads = started
+    def _gather(self, started: tuple[int, list[_RowRead | None]]) -> torch.Tensor:
+        _, reads = started
         buf = prefix_buffer(self._store, len(self._layouts), self._reused, self._room, max(self._pads) > 0)
-        for i, (lay, read) in enumerate(zip(self._layouts, reads)):
-            if lay is None:
+        for i, row in enumerate(reads):
+            if row is None:
                 continue
+            view, units, read = row
             blocks = read.result()
-            view = lay.at(layer)
-            view.gather_into(view.units_all(), blocks, buf[:, i, :, self._pads[i] : self._reused])
+            view.gather_into(units, blocks, buf[:, i, :, self._pads[i] : self._reused])
             with self._lock:
                 self._stats.bytes_read_disk += blocks.stats.disk_bytes
                 self._stats.blocks_read += blocks.stats.disk_blocks
@@ -145,23 +162,20 @@ class ProbeLoader:
         self.read = ReadStats()
         self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
 
-    def _start(self, layer: int) -> tuple[int, list[Any]]:
-        return layer, [
-            None if lay is None else self._store.start_layout(lay, PROBE, [layer], lay.at(layer).units_all())
-            for lay in self._layouts
-        ]
+    def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
+        return _start_reads(self._store, self._layouts, PROBE, layer)
 
-    def _decode(self, started: tuple[int, list[Any]]) -> list[torch.Tensor | None]:
+    def _decode(self, started: tuple[int, list[_RowRead | None]]) -> list[torch.Tensor | None]:
         store, spec = self._store, self._store.spec
-        layer, reads = started
+        _, reads = started
         out: list[torch.Tensor | None] = []
-        for lay, read in zip(self._layouts, reads):
-            if lay is None:
+        for row in reads:
+            if row is None:
                 out.append(None)
                 continue
+            view, units, read = row
             blocks = read.result()
-            view = lay.at(layer)
-            raw = view.gather_rows(view.units_all(), blocks)
+            raw = view.gather_rows(units, blocks)
             out.append(probe_codec.decode(raw, len(store.probe.kv_heads), spec.head_dim, store.probe.encoding))
             self.read.add(blocks.stats)
         return out

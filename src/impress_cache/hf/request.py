@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -34,7 +35,15 @@ from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
 from .sparse import SparsePrefill
 
+#: matches a request tries when a matched file went before it was leased
+_REMATCHES = 3
+
 log = logging.getLogger(__name__)
+
+
+def _log_failure(fut: Future[Any]) -> None:
+    if fut.exception() is not None:
+        log.warning("applying the memory tiers' recorded accesses failed: %s", fut.exception())
 
 
 class PrefixRequest:
@@ -63,7 +72,7 @@ class PrefixRequest:
         t0 = time.perf_counter()
         try:
             self._plan()
-        except (StoreFormatError, StoreIOError) as exc:
+        except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:  # e.g. a file gone after its lease was checked
             self._reuse_nothing(exc)
         self.stats.load_seconds = time.perf_counter() - t0
 
@@ -98,8 +107,19 @@ class PrefixRequest:
         pads = self.pads
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
-        matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
-        self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+        for attempt in range(_REMATCHES):
+            matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
+            self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+            if reused == 0:
+                break
+            k = self._rows_per_layer(reused)
+            # no disk eviction of these prefixes until their rows are in memory
+            self._lease = store.lease(matches, share=k / reused)
+            if not self._lease.stale or attempt == _REMATCHES - 1:
+                break  # (still stale after the last match: its reads fail and recompute)
+            # a matched node was rewritten (or evicted) before the lease: match again, and
+            # read the node that replaced it
+            self.release_lease()
         for i, (toks, m) in enumerate(zip(rows, matches)):
             used = max(0, reused - pads[i])
             self.stats.rows.append(RowStats(len(toks), m.length, used, len(toks) - used))
@@ -109,9 +129,6 @@ class PrefixRequest:
         if reused == 0:
             self.stats.match_seconds = time.perf_counter() - t0
             return
-        k = self._rows_per_layer(reused)
-        # no disk eviction of these prefixes until their rows are in memory
-        self._lease = store.lease(matches, share=k / reused)
         layouts = [store.layout(cut(m, reused - pads[i])) if reused > pads[i] else None for i, m in enumerate(matches)]
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
@@ -166,8 +183,8 @@ class PrefixRequest:
 
     def _quarantine(self, exc: CorruptBlockError) -> None:
         try:
-            self.store.quarantine(exc.file_id, str(exc))
-            self.stats.quarantined_files += 1
+            if self.store.quarantine(exc.file_id, str(exc)):
+                self.stats.quarantined_files += 1
         except (StoreFormatError, StoreIOError) as err:  # the index cannot record it: recompute anyway
             log.warning("could not quarantine file %s of %s: %s", exc.file_id, self.store.path, err)
 
@@ -192,10 +209,23 @@ class PrefixRequest:
                 self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
             else:
                 self.release_lease()
+            self._settle_tiers()
             return
         self.release_lease()
+        self._settle_tiers()
         if store_prompt:
             self._store_prompt(layer_keys, layer_values)
+
+    def _settle_tiers(self) -> None:
+        """Apply the memory tiers' recorded accesses on the fetcher thread, after anything
+        this request queued there (off the request's path; see `TouchLog`)."""
+        if not self.store.tiers.pending_accesses:
+            return
+        try:
+            fut = self.store.fetcher.submit(self.store.tiers.settle)
+        except RuntimeError:  # the store is closing: the next call into the tiers applies them
+            return
+        fut.add_done_callback(_log_failure)
 
     @property
     def full_pending(self) -> bool:

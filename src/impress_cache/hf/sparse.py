@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CacheUsageError, CorruptBlockError
 from ..selection.modes import BASELINES
-from ..selection.selectors import RowSelection, select_row
+from ..selection.selectors import RowSelection, select_row, top_masks
 from ..stats import RequestStats
 from ..storage.base import KV
 from ..store.blocks import PendingRead
@@ -51,6 +51,9 @@ class SparsePrefill:
         self.room = room
         #: blocks this request has read, by key (the decode-time read skips them)
         self.memo: dict[int, torch.Tensor] = {}
+        #: only a later read of the same blocks uses them: the whole prefix for
+        #: ``decode="full"``, or a layer's own read after its read-ahead
+        self._keep_memo = store.config.decode == "full" or bool(store.config.prefetch)
         #: ``selections[layer][batch_row]``: prefix positions attended (relative to the
         #: row's first real token; ``[k]`` shared or ``[kv_heads, k]``)
         self.selections: dict[int, dict[int, torch.Tensor]] = {}
@@ -59,7 +62,8 @@ class SparsePrefill:
         #: per batch row: the units whose next-layer blocks are being read ahead
         self._ahead: dict[int, tuple[int, list[int], PendingRead]] = {}
         self._ahead_hits = self._ahead_needed = 0
-        #: per planned row: each layer's importance (top-k mask) for the reorganiser
+        #: per planned row: each layer's combined probe scores (their top k are the
+        #: importance the reorganiser accumulates)
         self._importance: dict[int, dict[int, torch.Tensor | None]] = {}
         #: per planned row: K/V blocks touched and rows selected, summed over layers
         self._touched: dict[int, list[int]] = {}
@@ -92,7 +96,9 @@ class SparsePrefill:
         if recomputed is not None:
             self.stats.recomputed_layers += 1
         batch = key_states.shape[0]
-        buf = prefix_buffer(self.store, batch, self.k, self.room, True)
+        # zeros only where a row leaves some of the k rows unfilled (masked, but never garbage)
+        lays = [self.layouts[self.row_of(i)] for i in range(batch)]
+        buf = prefix_buffer(self.store, batch, self.k, self.room, any(lay is None or lay.length < self.k for lay in lays))
         sims, thresholds, fell_back = [], [], False
         for i in range(batch):
             src = self.row_of(i)
@@ -124,11 +130,16 @@ class SparsePrefill:
         return buf, self.k
 
     def _read_ahead(self, layer_idx: int) -> None:
-        """Start reading, for the next layer, the blocks this layer chose (per batch row)."""
+        """Start reading, for the next layer, the blocks this layer chose (per batch row);
+        with ``prefetch="agreed"`` only those the layer before chose as well."""
+        agreed = self.store.config.prefetch == "agreed"
         for i, rows in self.selections.get(layer_idx - 1, {}).items():
             lay = self.layouts[self.row_of(i)]
             assert lay is not None
             units = lay.at(layer_idx - 1).units_for(rows.reshape(-1))
+            before = self.selections.get(layer_idx - 2, {}).get(i) if agreed else None
+            if before is not None:
+                units = sorted(set(units).intersection(lay.at(layer_idx - 2).units_for(before.reshape(-1))))
             if len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
                 self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
 
@@ -190,22 +201,22 @@ class SparsePrefill:
         share 0 and kept for a ``decode="full"`` read."""
         t0 = time.perf_counter()
         view = lay.at(layer_idx)
-        share = torch.ones(len(lay.units), dtype=torch.float64)
+        share = [1.0] * len(lay.units)
         if rows is not None:
             counts = torch.bincount(view.unit_of[rows.reshape(-1)], minlength=len(lay.units))
             per_head = rows.shape[0] if rows.dim() == 2 else 1
-            share = (counts.double() / per_head / view.unit_count.clamp(min=1)).clamp(max=1.0)
+            share = (counts.double() / per_head / view.unit_count.clamp(min=1)).clamp(max=1.0).tolist()
         ahead = self._ahead.pop(row, None)
         if ahead is not None and ahead[0] == layer_idx:
             _, pre_units, pending = ahead
             wanted = set(units)
-            pre = pending.result([float(share[u]) if u in wanted else 0.0 for u in pre_units])
+            pre = pending.result([share[u] if u in wanted else 0.0 for u in pre_units])
             self._count(pre.stats)
             self._remember(lay, layer_idx, pre_units, pre)
             self._ahead_hits += len(wanted.intersection(pre_units))
             self._ahead_needed += len(units)
         blocks = self.store.start_layout(
-            lay, KV, [layer_idx], units, [float(share[u]) for u in units], known=self.memo
+            lay, KV, [layer_idx], units, [share[u] for u in units], known=self.memo
         ).result()
         self._remember(lay, layer_idx, units, blocks)
         self.stats.io_wait_seconds += time.perf_counter() - t0
@@ -213,6 +224,8 @@ class SparsePrefill:
 
     def _remember(self, lay: PrefixLayout, layer_idx: int, units: Sequence[int], blocks: BlockSet) -> None:
         """Keep the blocks read (by `block_code`) for the decode-time read of the prefix."""
+        if not self._keep_memo:
+            return
         slots = blocks.pool.unbind(0)
         for code, slot in zip(lay.codes(units, layer_idx), blocks.slot_of):
             self.memo.setdefault(code, slots[slot])
@@ -223,11 +236,11 @@ class SparsePrefill:
         per_layer = self._importance.setdefault(src, {})
         if layer_idx in per_layer:
             return
-        per_layer[layer_idx] = sel.importance
+        per_layer[layer_idx] = sel.ranking
         rows = sel.rows.reshape(-1)
         heads = sel.rows.shape[0] if sel.rows.dim() == 2 else 1
         t = self._touched.setdefault(src, [0, 0])
-        t[0] += len(lay.at(layer_idx).units_for(rows))
+        t[0] += sel.units if sel.units is not None else len(lay.at(layer_idx).units_for(rows))
         t[1] += rows.numel() // heads
 
     def _count(self, read: ReadStats) -> None:
@@ -263,8 +276,10 @@ class SparsePrefill:
             self.stats.rows_selected += rows
             if lay is None:
                 continue
-            masks = [per_layer.get(layer) for layer in range(layers)]
-            imp = None if any(m is None for m in masks) else torch.stack(masks).numpy()  # type: ignore[misc]
+            ranks = [per_layer.get(layer) for layer in range(layers)]
+            imp = None
+            if all(r is not None for r in ranks):  # one top-k over every layer
+                imp = top_masks(torch.stack(ranks), min(self.k, lay.length)).numpy()  # type: ignore[arg-type]
             self.store.record_importance(lay.segments, imp, blocks, rows)
 
     def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:

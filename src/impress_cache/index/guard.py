@@ -1,20 +1,24 @@
-"""How the index reports trouble: every SQLite error, and every malformed value read
-back, becomes an `ImpressError` naming the index file."""
+"""How the index reports trouble: every error of the database (SQLite's, from its content
+or its disk), and every malformed value a reading method decodes, becomes an
+`ImpressError` naming the index file. A wrong call in the package's own code (SQLite's
+``ProgrammingError`` and ``InterfaceError``: bad SQL or bindings, a closed connection;
+a ``TypeError`` or ``ValueError`` in a method that only writes what it is given) is a
+bug and is raised as it is, never disguised as a damaged store."""
 
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import sqlite3
-import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import ImpressError, ReadOnlyStoreError, StoreFormatError, StoreIOError
+from ..storage.base import kind_of
 
-#: what a damaged index raises while it is read (values that do not decode, blobs of the wrong size)
-_DAMAGE = (sqlite3.Error, ValueError, TypeError, KeyError, IndexError, UnicodeError)
+#: what a value read back from a damaged index raises while it is decoded (blobs of the
+#: wrong size, text that is not JSON, numbers where there should be bytes)
+_MALFORMED = (ValueError, TypeError, KeyError, IndexError, UnicodeError)
 _IO_CODES = {
     sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_READONLY,
     sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_INTERRUPT,
@@ -45,26 +49,35 @@ def index_error(path: Path, exc: BaseException) -> ImpressError:
     )
 
 
+def is_damage(exc: BaseException, decoding: bool = False) -> bool:
+    """Whether ``exc`` comes from the index (its content or its disk) rather than from a
+    wrong call in our code; ``decoding``: raised while values read back were decoded."""
+    if isinstance(exc, (ImpressError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
+        return False
+    return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, _MALFORMED))
+
+
 def _check_regular(path: Path) -> None:
     """Refuse an index path that is a symbolic link or anything but a regular file."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+    kind = kind_of(path)
+    if kind not in (None, "file"):
+        described = "a symbolic link" if kind == "link" else "not a regular file"
         raise StoreFormatError(
-            f"{path} is {kind}; impress_cache only opens an index file it created. Remove it or choose another "
-            "store directory."
+            f"{path} is {described}; impress_cache only opens an index file it created. Remove it or choose "
+            "another store directory."
         )
 
 
-def _guarded(fn: Any) -> Any:
+def _guarded(fn: Any, decoding: bool = False) -> Any:
+    """``fn`` with the errors `is_damage` names raised as `index_error`."""
+
     @functools.wraps(fn)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
-        except _DAMAGE as exc:
+        except Exception as exc:
+            if not is_damage(exc, decoding):
+                raise
             raise index_error(self.path, exc) from exc
 
     return method

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ReadOnlyStoreError, StoreFormatError
-from .guard import _DAMAGE, _check_regular, _guarded, index_error
+from .guard import _check_regular, _guarded, index_error, is_damage
 from ..storage.base import BlockKey
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
@@ -89,7 +89,7 @@ class Index:
             self._seen_version = self.data_version()
         except BaseException as exc:
             self._conn.close()
-            if isinstance(exc, _DAMAGE):
+            if is_damage(exc):
                 raise index_error(path, exc) from exc
             raise
 
@@ -174,7 +174,7 @@ class Index:
                     yield self._conn
                 except BaseException as exc:
                     self._rollback()
-                    if isinstance(exc, sqlite3.Error):
+                    if is_damage(exc):
                         raise index_error(self.path, exc) from exc
                     raise
                 try:
@@ -510,9 +510,14 @@ class Index:
         return ids, data
 
 
+#: the methods that decode values read back (where a malformed value means damage)
+_DECODING = {
+    "get_json", "get_or_set_json", "file", "files", "block_table", "file_perm", "total_bytes", "load_tree",
+    "load_block_stats", "load_node_stats", "load_importance",
+}
 for _name, _fn in list(vars(Index).items()):
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
-        setattr(Index, _name, _guarded(_fn))
+        setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
 
 
 def _has_meta(conn: sqlite3.Connection) -> bool:

@@ -178,11 +178,28 @@ def attention_column_scores(
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if scaling is None:
         scaling = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    return column_sums(queries, prefix_keys, new_keys, scaling, query_mask, prefix_mask, chunk_rows)
 
+
+def column_sums(
+    queries: Tensor,
+    prefix_keys: Tensor,
+    new_keys: Optional[Tensor],
+    scaling: Optional[float] = None,
+    query_mask: Optional[Tensor] = None,
+    prefix_mask: Optional[Tensor] = None,
+    chunk_rows: Optional[int] = None,
+) -> Tensor:
+    """`attention_column_scores` without checking its arguments: the per-layer hot path of
+    a sparse prefill calls this with shapes it built itself."""
+    B, Hq, n, D = queries.shape
+    Hk, P = prefix_keys.shape[1], prefix_keys.shape[2]
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(D) if D > 0 else 1.0
     device = queries.device
-    out = torch.zeros(B, Hq, P, dtype=torch.float32, device=device)
     if n == 0 or P == 0:
-        return out
+        return torch.zeros(B, Hq, P, dtype=torch.float32, device=device)
+    out: Optional[Tensor] = None
 
     group = Hq // Hk
     # Grouped-query attention without copying keys: the query heads of one KV group are
@@ -239,8 +256,10 @@ def attention_column_scores(
         if qm is not None:
             w = w * qm[:, start:stop].to(torch.float32)[:, None, None, :].expand(B, 1, group, c).reshape(B, 1, group * c)
         # column sums per query head: a [1, c] x [c, P] product per (batch, KV head, head in group)
-        out += torch.matmul(w.view(B, Hk, group, 1, c), e.view(B, Hk, group, c, P)).view(B, Hq, P)
+        part = torch.matmul(w.view(B, Hk, group, 1, c), e.view(B, Hk, group, c, P)).view(B, Hq, P)
+        out = part if out is None else out.add_(part)
         del e
+    assert out is not None
     return out
 
 
@@ -382,9 +401,17 @@ def mean_pairwise_jaccard(index_sets: Tensor) -> Tensor:
     if (idx < 0).any():
         raise ValueError("index_sets must be non-negative")
     universe = int(idx.max().item()) + 1
-    member = torch.zeros(B, H, universe, dtype=torch.float64, device=device)
+    return mean_jaccard_of(idx, universe)
+
+
+def mean_jaccard_of(idx: Tensor, universe: int) -> Tensor:
+    """`mean_pairwise_jaccard` of checked ``[B, H, k]`` indices below ``universe``."""
+    B, H, _ = idx.shape
+    device = idx.device
+    # membership counts are exact in float32 (sets far below 2**24 rows)
+    member = torch.zeros(B, H, universe, dtype=torch.float32, device=device)
     member.scatter_(-1, idx, 1.0)
-    inter = torch.matmul(member, member.transpose(-1, -2))  # [B, H, H]
+    inter = torch.matmul(member, member.transpose(-1, -2)).to(torch.float64)  # [B, H, H]
     sizes = torch.diagonal(inter, dim1=-2, dim2=-1)  # [B, H]
     union = sizes[:, :, None] + sizes[:, None, :] - inter
     jac = torch.where(union > 0, inter / union.clamp_min(1.0), torch.ones_like(inter))

@@ -18,6 +18,7 @@ No transformers here and no file handling: reads go through the ``read_units`` c
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ..store.blockset import BlockSet, ReadStats
 from ..store.layout import LayerView
 from .modes import BASELINES
-from .scores import attention_column_scores, mean_pairwise_jaccard, select_units, similarity_threshold, topk_indices, vote
+from .scores import mean_jaccard_of, attention_column_scores, column_sums, select_units, similarity_threshold, topk_indices, vote
 
 #: reads units (indices into ``layout.units``) of one layer, given the selected positions
 #: (``[k]`` or ``[H, k]``, for the blocks' importance shares; ``None``: all rows used)
@@ -45,9 +46,12 @@ class RowSelection:
     rows: torch.Tensor
     #: what reading the blocks cost
     read: ReadStats
-    #: ``[P]``: 1 for the positions whose probe scores rank in the top ``k`` (what
-    #: the reorganiser accumulates); ``None`` when the selection had no scores
-    importance: torch.Tensor | None = None
+    #: ``[P]`` combined probe scores: the positions ranking in their top ``k`` are what
+    #: the reorganiser accumulates (`top_masks`, once per request, off the per-layer
+    #: path); ``None`` when the selection had no scores
+    ranking: torch.Tensor | None = None
+    #: how many units (blocks) hold ``rows`` (``None``: not counted)
+    units: int | None = None
 
 
 def normalised_sum(scores: torch.Tensor) -> torch.Tensor:
@@ -73,29 +77,31 @@ def load_rows(
     sim: float,
     thr: float,
     fell_back: bool,
-    importance: torch.Tensor | None = None,
+    ranking: torch.Tensor | None = None,
 ) -> RowSelection:
     """Read the units holding ``rows`` and gather their K/V."""
     units = layout.units_for(rows.reshape(-1))
     blocks = read_units(units, rows)
     keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats, importance)
+    return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats, ranking, len(units))
 
 
-def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[P]`` float: 1 at the ``k`` highest of ``scores``, 0 elsewhere."""
-    out = torch.zeros(scores.shape[-1], dtype=torch.float32)
-    out[torch.topk(scores, k, sorted=False).indices] = 1.0
+def top_masks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[..., P]`` float: 1 at the ``k`` highest of each row of ``scores``, 0 elsewhere."""
+    out = torch.zeros(scores.shape, dtype=torch.float32)
+    out.scatter_(-1, torch.topk(scores, k, dim=-1, sorted=False).indices, 1.0)
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def kept_rows(p: int, sinks: int, recent: int) -> torch.Tensor | None:
     """The rows of a ``p``-row prefix always kept: the first ``sinks`` and the last
-    ``recent`` (``None``: none)."""
+    ``recent`` (``None``: none). Cached and shared: index with it, never modify it."""
     sinks, recent = min(sinks, p), min(recent, p)
     if sinks + recent == 0:
         return None
-    return torch.unique(torch.cat([torch.arange(sinks), torch.arange(p - recent, p)]))
+    with torch.inference_mode(False):  # a normal tensor, usable later with or without grad
+        return torch.unique(torch.cat([torch.arange(sinks), torch.arange(p - recent, p)]))
 
 
 def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], BlockSet, torch.Tensor]:
@@ -166,18 +172,21 @@ def select_row(
     # probed KV head gets one score row (its group's column sums added up).
     q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
     nk = new_keys[list(probe_kv_heads)]
-    per_q = attention_column_scores(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
+    if not 1 <= k <= p:
+        raise ValueError(f"k={k} must be in [1, P={p}]")
+    # the argument checks of attention_column_scores hold by construction here
+    per_q = column_sums(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
     scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
-    similarity = float(mean_pairwise_jaccard(topk_indices(scores.unsqueeze(0), k))[0])
-    combined = normalised_sum(scores)
-    importance = top_mask(combined, k)
+    similarity = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k), p)[0]) if scores.shape[0] > 1 else 1.0
+    ranking = normalised_sum(scores)
+    combined = ranking
     forced = kept_rows(p, *keep)
     if forced is not None:
         # above every scored row (a row's score is at most the number of new tokens x heads)
         scores = scores.clone()
         scores[:, forced] += 1e9
-        combined = combined.clone()
+        combined = ranking.clone()
         combined[forced] += 1e9
 
     if similarity >= threshold:
@@ -185,7 +194,7 @@ def select_row(
             rows = select_units(combined, layout.unit_of, k)
         else:
             rows = vote(scores.unsqueeze(0), k)[0]
-        return load_rows(layout, rows, read_units, similarity, threshold, False, importance)
+        return load_rows(layout, rows, read_units, similarity, threshold, False, ranking)
 
     # the probe heads disagree: every KV head chooses its own rows
     if list(probe_kv_heads) == list(range(hkv)):
@@ -195,7 +204,7 @@ def select_row(
             rows = torch.stack([select_units(scores[h], layout.unit_of, k) for h in range(hkv)])
         else:
             rows = topk_indices(scores.unsqueeze(0), k)[0]  # [Hkv, k]
-        return load_rows(layout, rows, read_units, similarity, threshold, True, importance)
+        return load_rows(layout, rows, read_units, similarity, threshold, True, ranking)
     # read the whole layer to get every KV head's keys
     units, blocks, full_k = read_all(layout, read_units)
     full_scores = kv_head_scores(queries, full_k, new_keys)  # [Hkv, P]
@@ -203,4 +212,4 @@ def select_row(
         full_scores[:, forced] += 1e9
     rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, importance)
+    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, ranking)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import crc32c
 import numpy as np
+
+from ..errors import StoreLimitError
 import torch
 
 ALIGN = 4096
@@ -43,12 +46,22 @@ PROBE = 1
 #: ``(file_id, kind, layer, block)``: the unit of disk I/O and of the memory tiers
 BlockKey = tuple[int, int, int, int]
 
-_LAYER_BITS, _BLOCK_BITS = 12, 20
+_LAYER_BITS, _BLOCK_BITS, _FILE_BITS = 12, 20, 31
+#: what a `block_code` holds: layers per model, blocks per layer of one file, file ids
+MAX_LAYERS, MAX_BLOCKS, MAX_FILE_ID = 1 << _LAYER_BITS, 1 << _BLOCK_BITS, (1 << _FILE_BITS) - 1
 
 
 def block_code(file_id, layer, block):  # type: ignore[no-untyped-def]
     """One integer for a block of one kind (ints or int64 numpy arrays): cheaper to
-    build and look up than a `BlockKey` on the read path's hot loops."""
+    build and look up than a `BlockKey` on the read path's hot loops. Raises
+    `StoreLimitError` when a part is negative or too large for its bits (two blocks
+    would share a code)."""
+    if np.any((file_id >> _FILE_BITS) | (layer >> _LAYER_BITS) | (block >> _BLOCK_BITS)):  # negative: -1
+        raise StoreLimitError(
+            f"block code out of range: file ids, layers and blocks must be below {MAX_FILE_ID + 1}, {MAX_LAYERS} "
+            f"and {MAX_BLOCKS} (got file {np.max(file_id)}, layer {np.max(layer)}, block {np.max(block)}, or a "
+            "negative one); a longer prompt needs a larger chunk_tokens"
+        )
     return (file_id << (_LAYER_BITS + _BLOCK_BITS)) | (layer << _BLOCK_BITS) | block
 
 
@@ -200,6 +213,19 @@ class ChunkFormat(ABC):
     @abstractmethod
     def block_offsets(self, path: Path) -> dict[str, int]:
         """File offset of every block, by `BlockData.name` (for repair)."""
+
+
+def kind_of(path: Path) -> str | None:
+    """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def fsync_path(path: Path) -> None:

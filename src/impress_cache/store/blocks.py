@@ -12,6 +12,7 @@ the call is accounted once. `start` returns at once with the disk reads in fligh
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 import time
@@ -253,7 +254,7 @@ class BlockIO:
                 disk[s] = False
                 plan.source[s] = "known"
         if self._tiers.enabled and not quiet:
-            plan.keys = [(int(f), kind, int(la), int(bl)) for f, la, bl in zip(s_files, s_layers, s_blocks)]
+            plan.keys = list(zip(s_files.tolist(), itertools.repeat(kind), s_layers.tolist(), s_blocks.tolist()))
         if self._tiers.enabled and plan.keys is not None:
             todo = np.flatnonzero(disk).tolist()
             found = self._tiers.lookup(

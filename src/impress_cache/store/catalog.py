@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -51,6 +52,14 @@ class OpenFile:
     fd: int | None = None
     #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
     perm: np.ndarray | None = None
+
+
+class Companions(Protocol):
+    """Files kept beside chunk files (see `Catalog.companions`)."""
+
+    def drop(self, name: str) -> None: ...
+
+    def disk_bytes(self) -> int: ...
 
 
 def _dir_blocks(path: Path) -> int:
@@ -91,6 +100,9 @@ class Catalog:
         self.tree: RadixTree
         #: the indexed files' records by id (compact columns, records made when asked for)
         self.records = FileTable()
+        #: files kept beside some chunk files (the remote tier's sidecars): removed with
+        #: their chunk file (`unlink`) and counted in `disk_bytes`
+        self.companions: Companions | None = None
         self._load()
 
     @property
@@ -368,21 +380,28 @@ class Catalog:
         self._drop_record(file_id)
         return rec
 
+    def indexed(self, file_id: int) -> bool:
+        """Whether a file is in the index now (reloaded if another process changed it)."""
+        with self.lock:
+            self.refresh()
+            return file_id in self.records
+
     def disk_bytes(self, wal: int | None = None) -> int:
-        """What the store puts on disk: its chunk files, its index (with WAL) and the
-        two directories' own blocks, all measured now. With ``wal`` (the WAL's size, as
-        the disk budget has just read it), the index file, its shared-memory file and the
-        directories are taken as last measured: re-measured every `_REMEASURE` calls and
-        after `remeasure` (a checkpoint changes the index file), so a write at the
-        budget costs one ``stat``, not five."""
+        """What the store puts on disk: its chunk files, its index (with WAL), the two
+        directories' own blocks and the companions, all measured now. With ``wal`` (the
+        WAL's size, as the disk budget has just read it), the index file, its
+        shared-memory file and the directories are taken as last measured: re-measured
+        every `_REMEASURE` calls and after `remeasure` (a checkpoint changes the index
+        file), so a write at the budget costs one ``stat``, not five."""
+        side = self.companions.disk_bytes() if self.companions is not None else 0
         if wal is None or self._fixed is None or self._fixed_uses >= _REMEASURE:
             dirs = os.fstat(self.chunks_fd).st_blocks * 512 + _dir_blocks(self.root)
             self._fixed = dirs + self.index.footprint(wal=False)
             self._fixed_uses = 0
             if wal is None:
-                return self.chunk_bytes + self._fixed + self.index.footprint(main=False)
+                return self.chunk_bytes + self._fixed + self.index.footprint(main=False) + side
         self._fixed_uses += 1
-        return self.chunk_bytes + self._fixed + wal
+        return self.chunk_bytes + self._fixed + wal + side
 
     def remeasure(self) -> None:
         """Measure the index file and the directories again at the next `disk_bytes`."""
@@ -395,3 +414,5 @@ class Catalog:
                 os.unlink(name, dir_fd=self.chunks_fd)
             except FileNotFoundError:
                 pass
+            if self.companions is not None:
+                self.companions.drop(name)

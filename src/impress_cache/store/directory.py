@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
+import uuid
 from pathlib import Path
 
 from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
+from ..storage.base import kind_of
 
 #: errors that mean "this path cannot be written"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -35,19 +36,6 @@ def read_only_error(path: Path, what: str) -> ReadOnlyStoreError:
         f"cannot write the store at {path} ({what}). A store on a read-only path can still serve: open it "
         "with ImpressStore(path, model, config, read_only=True)"
     )
-
-
-def kind_of(path: Path) -> str | None:
-    """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(mode):
-        return "link"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def ensure_dir(path: Path, mode: int, what: str) -> None:
@@ -100,3 +88,69 @@ def prepare(path: Path, chunk_dir: str, index_name: str, file_mode: int, read_on
     ):
         raise read_only_error(path, "no write permission, or a read-only file system")
     ensure_dir(path / chunk_dir, mode, "the chunk files' folder")
+
+
+# -- durable files ------------------------------------------------------------------------
+def create_file(dir_fd: int, name: str, mode: int) -> int:
+    """Create the new file ``name`` in the directory ``dir_fd`` (never an existing one,
+    never through a link) with ``mode`` whatever the umask; returns a writable descriptor."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)  # the mode of os.open is masked by the umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def publish(dir_fd: int, tmp: str, name: str, fsync: bool, replace: bool = True) -> bool:
+    """Give the written (and, with ``fsync``, flushed) file ``tmp`` its final ``name`` in
+    the directory ``dir_fd``, then flush the directory so the name survives a crash.
+    ``replace=False`` never replaces an existing ``name``: ``tmp`` is removed and the
+    result is False."""
+    if replace:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    else:
+        try:
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            os.unlink(tmp, dir_fd=dir_fd)
+            return False
+        os.unlink(tmp, dir_fd=dir_fd)
+    if fsync:
+        os.fsync(dir_fd)
+    return True
+
+
+def write_file(
+    dir_fd: int, name: str, data: bytes, mode: int, fsync: bool, *, size: int | None = None,
+    tmp: str | None = None, replace: bool = True,
+) -> int | None:
+    """Write ``data`` to the file ``name`` in ``dir_fd`` so that a crash leaves the old
+    file or the new one, never a torn one: a temporary file (``tmp``, by default a
+    unique name), ``fsync``, `publish`. ``size`` extends the file with a hole. Returns
+    the bytes the file takes on disk, or ``None`` when ``replace=False`` found ``name``
+    taken. Raises `FileExistsError` when ``tmp`` exists (another writer is at work)."""
+    tmp = tmp if tmp is not None else f"{name}.{uuid.uuid4().hex}.tmp"
+    fd = create_file(dir_fd, tmp, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if size is not None:
+                os.ftruncate(fd, size)
+            if fsync:
+                os.fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not publish(dir_fd, tmp, name, fsync, replace):
+            return None
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    return max(st.st_size, st.st_blocks * 512)

@@ -59,27 +59,24 @@ class StoreGC:
         self.counters = GCCounters()
 
     # -- damaged files ---------------------------------------------------------------
-    def quarantine(self, file_id: int, reason: str) -> None:
+    def quarantine(self, file_id: int, reason: str) -> bool:
         """Move a damaged chunk file aside and forget every prefix that needs it.
 
         Nodes stored in the file, and everything below them in the tree, are removed
-        from the index; later requests recompute those tokens.
+        from the index; later requests recompute those tokens. A file that is no longer
+        in the index and that no node needs (rewritten or evicted, by this or another
+        process, since a request matched it) is not damaged: nothing is counted and the
+        result is False.
         """
         catalog = self._catalog
-        removed: list[int] = []
         if catalog.index.read_only:
             self._forget_in_memory(file_id, reason)
-            return
+            return True
         with catalog.lock:
             try:
                 with catalog.index.transaction() as conn:
                     catalog.refresh()
-                    for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
-                        if catalog.tree.get(top.id) is not top:
-                            continue  # already removed as part of another subtree
-                        for node in catalog.tree.subtree(top):
-                            catalog.remove(conn, node)
-                            removed.append(node.id)
+                    removed = self._remove_dependents(file_id, lambda node: catalog.remove(conn, node))
                     record = catalog.records.get(file_id) or catalog.index.file(file_id)
                     dropped = catalog.drop_unreferenced_files(conn)
             except BaseException:
@@ -90,6 +87,9 @@ class StoreGC:
                 if rec.id != file_id:
                     self._leases.defer_unlink(rec.id, rec.name)
             catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
+            if record is None and not removed:
+                log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
+                return False
             if record is not None and FILE_NAME.match(record.name):
                 self._move_aside(record.name)
             self.counters.quarantined_files += 1
@@ -97,21 +97,30 @@ class StoreGC:
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
             record.name if record else file_id, reason, len(removed),
         )
+        return True
 
     def _forget_in_memory(self, file_id: int, reason: str) -> None:
         """Quarantine in a read-only store: this process stops using the file's nodes."""
         catalog = self._catalog
-        removed: list[int] = []
         with catalog.lock:
-            for top in [n for n in catalog.tree.nodes() if n.file_id == file_id]:
-                if catalog.tree.get(top.id) is top:
-                    for node in catalog.tree.subtree(top):
-                        catalog.tree.remove(node)
-                        removed.append(node.id)
+            removed = self._remove_dependents(file_id, catalog.tree.remove)
             catalog.forget({file_id})
             self._values.forget(removed)
             self.counters.quarantined_files += 1
         log.warning("read-only store: not using chunk file %s any more (%s)", file_id, reason)
+
+    def _remove_dependents(self, file_id: int, remove: Callable[[RadixNode], None]) -> list[int]:
+        """Remove (``remove``, children first) the nodes stored in ``file_id`` and every
+        node below them; returns their ids. Under the catalog lock."""
+        tree = self._catalog.tree
+        removed: list[int] = []
+        for top in [n for n in tree.nodes() if n.file_id == file_id]:
+            if tree.get(top.id) is not top:
+                continue  # already removed as part of another subtree
+            for node in tree.subtree(top):
+                remove(node)
+                removed.append(node.id)
+        return removed
 
     def _move_aside(self, name: str) -> None:
         root = self._catalog.root

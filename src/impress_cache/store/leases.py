@@ -48,6 +48,8 @@ class PrefixLease:
     def __init__(self, table: LeaseTable, file_ids: Sequence[int], request: bool = True) -> None:
         #: the files this lease holds (one reference each)
         self.file_ids = tuple(file_ids)
+        #: a leased file had left the index before the lease was taken: match again
+        self.stale = False
         self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.file_ids, request)
 
     @property
@@ -155,12 +157,15 @@ class LeaseTable:
         unlink: Callable[[str], None],
         grace_s: float | None = None,
         activity: Activity | None = None,
+        indexed: Callable[[int], bool] = lambda file_id: True,
     ) -> None:
         self._clock = clock
         #: deletes files on a thread of its own (`drain` waits for it)
         self.unlinker = Unlinker(unlink)
         self._unlink = self.unlinker
         self._activity = activity
+        #: the files in the index now (a lease of one that left it is `PrefixLease.stale`)
+        self._indexed = indexed
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
         self._lock = threading.Lock()
@@ -194,7 +199,11 @@ class LeaseTable:
     def lease(self, matches: Iterable[Match], request: bool = True) -> PrefixLease:
         """One reference on every file of every match. A ``request`` lease also counts as
         activity (background maintenance waits until no request holds one)."""
-        return self.hold([seg.file_id for m in matches for seg in m.segments], request)
+        lease = self.hold([seg.file_id for m in matches for seg in m.segments], request)
+        # taken, the lease keeps every file that is still indexed; one that left the index
+        # since the match (its node rewritten or evicted) cannot be opened any more
+        lease.stale = not all(self._indexed(fid) for fid in lease.file_ids)
+        return lease
 
     def hold(self, file_ids: Sequence[int], request: bool = True) -> PrefixLease:
         """One reference on every file of ``file_ids``."""

@@ -111,11 +111,21 @@ class StatsKeeper:
         # than the exports' time would count that while twice on reload
         nodes = self._nodes.export()
         importance = self._importance.export() if self._importance is not None else {}
-        blocks = self._tiers.export_stats(dirty) if dirty else {}
-        saved_at = time.time()
-        self._index.save_node_stats(nodes, saved_at)
-        self._index.save_importance(importance, saved_at)
-        return self._index.save_block_stats(blocks, saved_at)
+        try:
+            blocks = self._tiers.export_stats(dirty) if dirty else {}
+            saved_at = time.time()
+            self._index.save_node_stats(nodes, saved_at)
+            self._index.save_importance(importance, saved_at)
+            return self._index.save_block_stats(blocks, saved_at)
+        except BaseException:
+            # nothing is lost: what was to be saved stays marked for the next save (a
+            # part that was written meanwhile is written again, harmlessly)
+            with self._lock:
+                self._dirty.update(dirty)
+            self._nodes.unsaved(nodes)
+            if self._importance is not None:
+                self._importance.unsaved(importance)
+            raise
 
     def _save_quietly(self) -> None:
         try:

@@ -41,14 +41,15 @@ def _array(meta: dict[str, str], key: str, dtype: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(meta[key]), dtype=dtype)
 
 
-def read_header(path: Path, fmt: Any, record_bytes: int) -> tuple[NewFile, np.ndarray, dict[str, Any], dict[str, Any]]:
-    """A chunk file's index record from its own header: ``(new file, whole token
-    sequence, model record, probe record)``. Raises ``ValueError``/``KeyError``/``OSError``
-    when the header is incomplete or inconsistent."""
+def read_header(path: Path, fmt: Any) -> tuple[NewFile, np.ndarray, dict[str, Any], dict[str, Any]]:
+    """A chunk file's index record from its own header (read once): ``(new file, whole
+    token sequence, model record, probe record)``. Raises ``ValueError``/``KeyError``/
+    ``OSError`` when the header is incomplete or inconsistent."""
     meta = fmt.read_metadata(path)
     if meta.get("impress_cache") != "3":
         raise ValueError(f"header version {meta.get('impress_cache')!r}, not 3")
     model, probe = json.loads(meta["model"]), json.loads(meta["probe"])
+    record_bytes = _row_bytes(model, probe)[PROBE]
     first, n, ct, layers = (int(meta[k]) for k in ("first_pos", "n_tokens", "chunk_tokens", "layers"))
     seq = _array(meta, "tokens", "<i4")
     nb = -(-n // ct)
@@ -62,14 +63,19 @@ def read_header(path: Path, fmt: Any, record_bytes: int) -> tuple[NewFile, np.nd
         for b in range(nb):
             offsets[KV, layer, b] = placed[f"L{layer}.B{b}"]
         offsets[PROBE, layer] = placed[f"P{layer}"] + np.arange(nb) * ct * record_bytes
-    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
-    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
-    nbytes = layers * n * (kv_row + record_bytes)
+    nbytes = layers * n * sum(_row_bytes(model, probe))
     new = NewFile(
         path.name, fmt.suffix, first, seq[first:].copy(), context_digest(seq[:first]), ct, layers, offsets, checksums,
         nbytes, os.stat(path).st_size, perm,
     )
     return new, seq, model, probe
+
+
+def _row_bytes(model: dict[str, Any], probe: dict[str, Any]) -> tuple[int, int]:
+    """Bytes of one row in a K/V block and in a probe piece, from the records a header holds."""
+    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
+    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    return kv_row, probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
 
 
 def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
@@ -99,16 +105,13 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
             continue
         fmt = _SUFFIX[name.rsplit(".", 1)[1]]()
         try:
-            meta_model = json.loads(fmt.read_metadata(Path(entry.path))["model"])
-            meta_probe = json.loads(fmt.read_metadata(Path(entry.path))["probe"])
+            new, seq, meta_model, meta_probe = read_header(Path(entry.path), fmt)
             model = model or meta_model
             probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
             if meta_model != model or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
                 k: probe[k] for k in ("kv_heads", "encoding")
             }:
                 raise ValueError("written for another model or probe setting")
-            rb = probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
-            new, seq, _, _ = read_header(Path(entry.path), fmt, rb)
             headers.append((new.first_pos, entry.stat().st_mtime, new, seq))
         except Exception as exc:  # any damage of a header: the file cannot be indexed
             bad.append((name, f"unreadable header ({type(exc).__name__}: {exc})"))
@@ -124,9 +127,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
     index = Index(tmp, file_mode=file_mode)
     index.get_or_set_json("model", model)
     index.get_or_set_json("probe", probe)
-    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
-    rb = probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
-    catalog = Catalog(path, index, (kv_row, rb), lambda ids, records: None)
+    catalog = Catalog(path, index, _row_bytes(model, probe), lambda ids, records: None)
     indexed = 0
     try:
         for _, _, new, seq in sorted(headers, key=lambda h: (h[0], h[1])):

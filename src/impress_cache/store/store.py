@@ -158,7 +158,7 @@ class ImpressStore:
         self.tiers = self._make_tiers()
         #: requests and writes in progress (background rewrites wait for idleness)
         self.activity = Activity()
-        self._leases = LeaseTable(self.clock, self._catalog.unlink, activity=self.activity)
+        self._leases = LeaseTable(self.clock, self._catalog.unlink, activity=self.activity, indexed=self._catalog.indexed)
         self._reader = BlockReader(threads=cfg.io_threads)
         self._writer = PromptWriter(
             self._catalog, cfg, self.spec, self.probe, FORMATS[storage_format](fsync=cfg.fsync), self._written,
@@ -295,7 +295,7 @@ class ImpressStore:
         a prefix whose file is referenced. Leasing also records one access on every
         matched node, with ``share`` the fraction of the prefix the request loads for its
         prefill (the nodes' value for the disk budget). Release the returned
-        `PrefixLease` (or drop it) when the request holds what it needs.
+        `PrefixLease` (or drop it) when the request holds what it needs; match again if it is ``stale``.
         """
         matches = list(matches)
         self._values.access((seg.node.id for m in matches for seg in m.segments), share)
@@ -427,11 +427,11 @@ class ImpressStore:
         self._stats.forget(file_ids)
 
     # -- maintenance -----------------------------------------------------------------
-    def quarantine(self, file_id: int, reason: str) -> None:
+    def quarantine(self, file_id: int, reason: str) -> bool:
         """Move a damaged chunk file to ``quarantine/`` and forget every prefix that needs
-        it; later requests recompute those tokens."""
+        it; later requests recompute those tokens. False: the file had left the index."""
         self._remote.quarantined(self._catalog.records.get(file_id))
-        self._gc.quarantine(file_id, reason)
+        return self._gc.quarantine(file_id, reason)
 
     def enforce_disk_budget(self, protect: Iterable[int] = ()) -> dict[str, int]:
         """Remove the least valuable unused prefixes until the store fits ``disk_bytes``.

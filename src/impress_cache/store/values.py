@@ -166,6 +166,11 @@ class NodeValues:
             self._take(node_id)
             return float(self._policy.priority(node_id, self._clock()))
 
+    def unsaved(self, node_ids: Iterable[int]) -> None:
+        """Mark exported statistics as changed again (their save failed)."""
+        with self._lock:
+            self.dirty.update(node_ids)
+
     def export(self) -> dict[int, dict[str, Any]]:
         """Statistics of the nodes changed since the last export, rebased to now."""
         with self._lock:

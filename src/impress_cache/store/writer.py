@@ -28,14 +28,15 @@ import torch
 
 from .. import probe as probe_codec
 from ..config import ImpressConfig
-from ..errors import ImpressError
+from ..errors import ImpressError, StoreLimitError
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
-from ..storage.base import KV, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
+from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
 from .activity import Activity
 from .binding import ProbeSpec
 from .catalog import Catalog
+from .directory import create_file, publish
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,11 @@ class PromptWriter:
             ks = [k.index_select(1, i) for k, i in zip(ks, idx)]
             vs = [v.index_select(1, i) for v, i in zip(vs, idx)]
         nb = -(-n // ct)
+        if nb > MAX_BLOCKS or layers > MAX_LAYERS:
+            raise StoreLimitError(
+                f"a chunk file holds at most {MAX_BLOCKS} blocks per layer and {MAX_LAYERS} layers; {n} rows in "
+                f"blocks of {ct} and {layers} layers do not fit (raise chunk_tokens)"
+            )
         file_uuid = uuid.uuid4()
         context = context_digest(tokens[:m])
         seeds = block_seeds(
@@ -245,12 +251,8 @@ class PromptWriter:
         catalog = self._catalog
         tmp = name + ".tmp"
         try:
-            # created here with the store's mode (the format then truncates and fills it)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=catalog.chunks_fd)
-            try:
-                os.fchmod(fd, self._config.file_mode)
-            finally:
-                os.close(fd)
+            # created here with the store's mode (the format then truncates, fills and fsyncs it)
+            os.close(create_file(catalog.chunks_fd, tmp, self._config.file_mode))
             placed = self._fmt.write(catalog.chunks / tmp, blocks, meta, between)
             offsets = np.zeros((2, layers, nb), dtype=np.int64)
             for blk, off in zip(blocks, placed):
@@ -260,9 +262,7 @@ class PromptWriter:
                     offsets[PROBE, blk.layer] = off + np.arange(nb) * ct * self._probe.record_bytes
             st = os.stat(tmp, dir_fd=catalog.chunks_fd)
             file_bytes = max(st.st_size, st.st_blocks * 512)  # what the file takes on disk
-            os.replace(tmp, name, src_dir_fd=catalog.chunks_fd, dst_dir_fd=catalog.chunks_fd)
-            if self._config.fsync:
-                os.fsync(catalog.chunks_fd)
+            publish(catalog.chunks_fd, tmp, name, self._config.fsync)
         except BaseException:
             catalog.unlink(tmp)
             raise

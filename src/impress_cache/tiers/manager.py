@@ -20,48 +20,48 @@ admission, promotion and demotion (IMPRESS section 3):
   as in the paper, where a disk read "competes with both minimums").
 
 Accesses: `get` and `put_from_disk` do not count as accesses. A request records one
-access per block with `touch` (or looks a batch up with `lookup`, which touches and
-gets each block under one lock); ``put_from_disk(..., important_share=x)`` only seeds
-the statistics of a block the policy has never seen. A block's class follows its policy
+access per block with `touch` (or looks a batch up with `lookup`, which gets each block
+under one lock and records its access, applied before anything else reads the tiers'
+state: `TouchLog`); ``put_from_disk(..., important_share=x)`` only seeds the statistics
+of a block the policy has never seen. A block's class follows its policy
 statistics and is re-evaluated when the block is touched.
 
 A request that holds a payload returned by a lookup keeps it valid after the block is
 evicted or moved (payloads are never modified in place), so reads need no pins.
 
-Thread safety: all public methods hold one re-entrant lock; the clock and the transforms
-are called under it.
+Thread safety: all public methods that read or change state hold one re-entrant lock
+(entering it applies the recorded accesses); the clock and the transforms are called
+under it. `pending_accesses` reads a length without it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import ConfigError, ImpressError
+from ..errors import ConfigError
 from ..validate import check_class_shares, check_int
 from .budget import TierSpace
 from .counters import TierCounters
 from .heaps import DEVICE, HOST, TIERS, Resident, TierHeaps
 from .policies.base import EvictionPolicy
+from .touchlog import MAX_PENDING, TouchLog
+from .view import TierError, TierView
 
 logger = logging.getLogger(__name__)
 
 #: Default split of each tier's budget among importance classes (IMPRESS, section 4).
 DEFAULT_CLASS_SHARES: dict[str, float] = {"high": 0.3, "medium": 0.5, "low": 0.2}
 
-class TierError(ImpressError, ValueError):
-    """The tier manager was called with an invalid argument."""
-
 
 def _identity(payload: Any) -> Any:
     return payload
 
 
-class TierManager:
+class TierManager(TierView):
     """Device and host caches of disk blocks with byte budgets and a policy.
 
     Parameters
@@ -118,7 +118,8 @@ class TierManager:
         self._to_device = to_device if to_device is not None else _identity
         self._to_host = to_host if to_host is not None else _identity
         self._disk_to_device = bool(disk_to_device)
-        self._lock = threading.RLock()
+        #: the lock; entering it applies the accesses `lookup` recorded (see `TouchLog`)
+        self._lock = TouchLog(self._touch)
         self._where: dict[Hashable, Resident] = {}
         self._sizes: dict[Hashable, int] = {}
         self._space = TierSpace({DEVICE: device_bytes, HOST: host_bytes}, shares)
@@ -130,7 +131,8 @@ class TierManager:
     # ================================================================== properties
     @property
     def policy(self) -> EvictionPolicy:
-        """The eviction policy (shared, not a copy)."""
+        """The eviction policy (shared, not a copy), with every recorded access applied."""
+        self.settle()
         return self._policy
 
     @property
@@ -165,16 +167,43 @@ class TierManager:
         key ``None`` (a miss) or ``(tier, payload)`` where ``tier`` is the tier the block
         was found in (a host hit that `get` promotes still counts as a host hit).
         """
-        with self._lock, self._protecting(keys):
+        log = self._lock
+        with log.raw, self._protecting(keys):
+            if log.pending > MAX_PENDING:
+                log.drain()
             now = self._now()
             out: list[tuple[str, Any] | None] = []
-            for key, share, size in zip(keys, shares, sizes):
-                self._touch(key, share, now)
-                entry = self._where.get(key)
-                found = None if entry is None else entry.tier
-                hit = self._get(key, size, now, sync=False)  # just touched
-                out.append(None if hit is None or found is None else (found, hit[1]))
+            later: list[tuple[Hashable, float | None, float]] = []
+            try:
+                for key, share, size in zip(keys, shares, sizes):
+                    entry = self._where.get(key)
+                    if entry is not None and entry.tier == HOST:  # may be promoted: state needed now
+                        log.record(later)
+                        later = []
+                        log.drain()
+                        self._touch(key, share, now)
+                        hit = self._get(key, size, now, sync=False)  # just touched
+                        out.append(None if hit is None else (HOST, hit[1]))
+                        continue
+                    later.append((key, share, now))  # device hit or miss: the access can wait
+                    self._get(key, size, now, sync=False)
+                    out.append(None if entry is None else (entry.tier, entry.payload))
+            finally:
+                log.record(later)
             return out
+
+    @property
+    def pending_accesses(self) -> int:
+        """Accesses `lookup` recorded that are not applied yet."""
+        return self._lock.pending
+
+    def settle(self) -> int:
+        """Apply the accesses `lookup` recorded (what any other call does first); returns
+        how many there were. Requests schedule it off their path."""
+        with self._lock.raw:
+            n = self._lock.pending
+            self._lock.drain()
+            return n
 
     def put_from_disk(
         self, key: Hashable, payload: Any, nbytes: int, important_share: float | None = None
@@ -309,48 +338,6 @@ class TierManager:
             keys.update(k for k in self._policy.keys() if predicate(k))
             return sum(self.drop(k) for k in keys)
 
-    # ================================================================== introspection
-    def tier_of(self, key: Hashable) -> str | None:
-        """``"device"``, ``"host"`` or ``None`` (only on disk)."""
-        with self._lock:
-            entry = self._where.get(key)
-            return None if entry is None else entry.tier
-
-    def used_bytes(self, tier: str) -> int:
-        """Bytes of the blocks resident in ``tier``."""
-        with self._lock:
-            return self._space.used[self._check_tier(tier)]
-
-    def budget(self, tier: str) -> int:
-        """Byte budget of ``tier``."""
-        return self._space.budget[self._check_tier(tier)]
-
-    def class_bytes(self, tier: str) -> dict[str, int]:
-        """Bytes of the blocks resident in ``tier`` per importance class."""
-        with self._lock:
-            return dict(self._space.class_used[self._check_tier(tier)])
-
-    def blocks(self, tier: str | None = None) -> list[Hashable]:
-        """Keys of the blocks resident in ``tier`` (both tiers when ``None``)."""
-        with self._lock:
-            if tier is not None:
-                self._check_tier(tier)
-            return [k for k, e in self._where.items() if tier is None or e.tier == tier]
-
-    def nbytes_of(self, key: Hashable) -> int | None:
-        """Size of a resident block, or ``None`` when it is not in memory."""
-        with self._lock:
-            entry = self._where.get(key)
-            return None if entry is None else entry.nbytes
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._where
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._where)
-
     def __repr__(self) -> str:
         with self._lock:
             parts = ", ".join(f"{t}={self._space.used[t]}/{self._space.budget[t]}B" for t in TIERS)
@@ -369,12 +356,6 @@ class TierManager:
     # ================================================================== internals
     def _now(self) -> float:
         return float(self._clock())
-
-    @staticmethod
-    def _check_tier(tier: str) -> str:
-        if tier not in TIERS:
-            raise TierError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
-        return tier
 
     def _touch(self, key: Hashable, share: float | None, now: float) -> None:
         self._policy.on_access(key, now, share)

@@ -58,6 +58,7 @@ class SeaweedServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self._socket_ports: list[int] = []
+        self._probe: Any = None  # the S3 client of the readiness poll, built once
 
     @property
     def endpoint(self) -> str:
@@ -118,9 +119,10 @@ class SeaweedServer:
         from ..storage.s3_remote import S3Backend
 
         try:
-            b = S3Backend("impress-probe", "", self.options)
-            b.ensure_bucket()
-            b.put("ready", b"1")
+            if self._probe is None:
+                self._probe = S3Backend("impress-probe", "", self.options)
+            self._probe.ensure_bucket()
+            self._probe.put("ready", b"1")
             return True
         except RemoteError:
             return False
@@ -134,6 +136,9 @@ class SeaweedServer:
                 pass
             self.proc.wait()
         self.proc = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         for port in self._socket_ports:
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 try:

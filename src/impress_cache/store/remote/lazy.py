@@ -11,7 +11,11 @@ identity catches a damaged or substituted range, and a failed fetch is reported 
 
 Which ranges are present is kept in ``remote/<uuid>.json`` next to ``chunks/`` (object
 name and present ranges), rewritten after each fill; a file whose every block has
-arrived loses its sidecar and is an ordinary chunk file.
+arrived loses its sidecar and is an ordinary chunk file. Linked files and sidecars are
+written like chunk files (`directory.write_file`: temporary name, fsync, rename, fsync
+of the directory), and a fill's blocks are flushed before the sidecar lists them, so a
+crash leaves a sidecar that lists only blocks on disk. A sidecar goes with its file
+(`Catalog.unlink`, e.g. a disk eviction) and counts in the disk budget meanwhile.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import numpy as np
 from ...errors import CorruptBlockError
 from ...storage.base import ALIGN
 from ...storage.remote import RemoteBackend, RemoteError
-from ..directory import dir_mode, ensure_dir
+from ..directory import dir_mode, ensure_dir, write_file
 
 log = logging.getLogger(__name__)
 
 REMOTE_DIR = "remote"
+#: seconds after which a temporary sidecar is a crash leftover (not another process's write)
+STALE_TMP_S = 600.0
 #: ranges (GETs) one fill issues at most; neighbours are merged, smallest gaps first
 MAX_RANGES = 4
 
@@ -87,33 +93,56 @@ class RemoteFiles:
 
     def __init__(
         self, root: Path, chunks_fd: int, backend: RemoteBackend, on_fetch: Callable[[int, int], None],
-        file_mode: int = 0o600,
+        file_mode: int = 0o600, fsync: bool = True,
     ) -> None:
         self.dir = root / REMOTE_DIR
         self._mode = file_mode
+        self._fsync = fsync
         ensure_dir(self.dir, dir_mode(file_mode), "the remote tier's folder")
+        self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._chunks_fd = chunks_fd
         self._backend = backend
         self._on_fetch = on_fetch  # (ranges, bytes) fetched
         self._files: dict[str, _Lazy] = {}
         self._plain: set[str] = set()  # files known to have no sidecar
+        self._side_bytes: dict[str, int] = {}  # sidecars on disk, by file: bytes they take
         self._lock = threading.Lock()
-        for side in self.dir.glob("*.json"):
-            self._load(side.stem + ".safetensors", drop_bad=True)
+        now = time.time()
+        for entry in os.scandir(self._dir_fd):
+            if entry.name.endswith(".json"):
+                self._load(entry.name[: -len(".json")] + ".safetensors", drop_bad=True)
+            elif entry.name.endswith(".tmp") and now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S:
+                self._remove(entry.name)  # left by a crash during a sidecar's write
+
+    @staticmethod
+    def _side(local: str) -> str:
+        return local.split(".")[0] + ".json"
+
+    def _remove(self, side: str) -> None:
+        try:
+            os.unlink(side, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # e.g. closed meanwhile: the next open removes it (its file is gone)
+            log.debug("could not remove the sidecar %s: %s", side, exc)
 
     def _load(self, local: str, drop_bad: bool = False) -> _Lazy | None:
         """The sidecar of ``local`` (written by this or another process sharing the
         directory), installed; ``None`` if it has none."""
-        side = self.dir / (local.split(".")[0] + ".json")
+        side = self._side(local)
         try:
             os.stat(local, dir_fd=self._chunks_fd)
-            d = json.loads(side.read_text())
+            fd = os.open(side, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                d = json.loads(f.read())
             lz = _Lazy(d["object"], int(d["size"]), int(d["data_start"]), [tuple(r) for r in d["present"]])
         except (OSError, ValueError, KeyError, TypeError):
             if drop_bad:
-                side.unlink(missing_ok=True)  # its chunk file is gone, or the sidecar is damaged
+                self._remove(side)  # its chunk file is gone, or the sidecar is damaged
             return None
         with self._lock:
+            self._side_bytes[local] = max(st.st_size, st.st_blocks * 512)
             return self._files.setdefault(local, lz)
 
     def _get(self, local: str) -> _Lazy | None:
@@ -139,40 +168,49 @@ class RemoteFiles:
         lz = self._get(local)
         return None if lz is None else lz.object
 
-    def create(self, local: str, obj: str, size: int, header: bytes) -> None:
-        """Write a new local file of ``size`` bytes holding ``header``; the rest are holes.
-        The caller renames nothing: the file is created under its final name, and is
-        an orphan (removed on open) until the index commits it."""
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode, dir_fd=self._chunks_fd)
+    def create(self, local: str, obj: str, size: int, header: bytes) -> bool:
+        """Write a new local file of ``size`` bytes holding ``header`` (the rest are holes)
+        and its sidecar. The file is an orphan (removed on open) until the index commits
+        it. False when another process of this directory links (or has linked) it."""
         try:
-            os.fchmod(fd, self._mode)
-            view = memoryview(header)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+            done = write_file(
+                self._chunks_fd, local, header, self._mode, self._fsync, size=size, tmp=local + ".tmp", replace=False
+            )
+        except FileExistsError:
+            return False  # its temporary file: another process is linking it now
+        if done is None:
+            return False
         lz = _Lazy(obj, size, len(header), [(0, len(header))])
         with self._lock:
             self._files[local] = lz
         self._save(local, lz)
+        return True
 
     def drop(self, local: str) -> None:
+        """Forget a file's sidecar and remove it (the file was removed, quarantined or
+        completed)."""
         with self._lock:
             self._files.pop(local, None)
-        (self.dir / (local.split(".")[0] + ".json")).unlink(missing_ok=True)
+            self._side_bytes.pop(local, None)
+        if local.endswith(".safetensors"):
+            self._remove(self._side(local))
+
+    def disk_bytes(self) -> int:
+        """Bytes the sidecars this process knows take on disk."""
+        with self._lock:
+            return sum(self._side_bytes.values())
+
+    def close(self) -> None:
+        os.close(self._dir_fd)
 
     def _save(self, local: str, lz: _Lazy) -> None:
-        side = self.dir / (local.split(".")[0] + ".json")
         if lz.complete():
-            side.unlink(missing_ok=True)
+            self.drop(local)
             return
-        tmp = side.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, self._mode)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(fd, self._mode)
-            f.write(json.dumps({"object": lz.object, "size": lz.size, "data_start": lz.data_start, "present": lz.present}))
-        os.replace(tmp, side)
+        raw = json.dumps({"object": lz.object, "size": lz.size, "data_start": lz.data_start, "present": lz.present})
+        nbytes = write_file(self._dir_fd, self._side(local), raw.encode(), self._mode, self._fsync)
+        with self._lock:
+            self._side_bytes[local] = nbytes or 0
 
     def fill(self, file_id: int, local: str, offsets: np.ndarray, sizes: np.ndarray) -> None:
         """Make the blocks at ``offsets`` (``sizes`` bytes each) of a local file present,
@@ -190,19 +228,22 @@ class RemoteFiles:
                 parts = self._backend.get_ranges(lz.object, todo)
             except RemoteError as exc:
                 raise CorruptBlockError(f"blocks of {local} could not be fetched from the remote tier: {exc}", file_id) from exc
-            fd = os.open(local, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._chunks_fd)
+            try:
+                fd = os.open(local, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._chunks_fd)
+            except OSError as exc:  # removed meanwhile (e.g. evicted by another process)
+                self.drop(local)
+                raise CorruptBlockError(f"linked file {local} cannot be filled: {exc}", file_id) from exc
             try:
                 for (a, _), data in zip(todo, parts):
                     view, pos = memoryview(data), a
                     while view:
                         n = os.pwrite(fd, view, pos)
                         view, pos = view[n:], pos + n
+                if self._fsync:
+                    os.fsync(fd)  # on disk before the sidecar says so
             finally:
                 os.close(fd)
             lz.present = _merge(lz.present + todo, gap=0)
             self._save(local, lz)
-            if lz.complete():
-                with self._lock:
-                    self._files.pop(local, None)
             self._on_fetch(len(todo), sum(b - a for a, b in todo))
             log.debug("fetched %d ranges of %s in %.3f s", len(todo), local, time.perf_counter() - t0)

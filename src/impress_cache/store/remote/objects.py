@@ -3,15 +3,19 @@
 Names (all below ``m-<namespace>/``, the namespace a digest of the model spec and the
 probe settings, so stores of different models never meet):
 
-``obj/<h>``  a chunk file, byte for byte as the store wrote it; ``h`` = SHA-256 of the
-             namespace, the file's first position and the token ids of the whole
-             sequence up to its last row. Immutable: a name always means the same K/V.
+``obj/<h>.<uuid>``  a chunk file, byte for byte as the store wrote it; ``h`` = SHA-256 of
+             the namespace, the file's first position and the token ids of the whole
+             sequence up to its last row, ``uuid`` the file's own (its local name): two
+             files never share a name, even with the same tokens (two hosts that stored
+             one prompt, a node rewritten by the reorganiser). Immutable: a name always
+             means the same bytes.
 ``man/<h>``  a manifest: the token ids of one stored prompt and the objects (in
              position order) that hold its rows. Immutable; written after its objects.
 ``key/<h>``  a lookup key: ``h`` = SHA-256 of the namespace and the token ids of a
              prefix that ends at a boundary (`boundaries`); holds the name of a
              manifest whose prompt starts with that prefix. Written last.
-``use/<h>``  an empty marker rewritten when a host imports ``obj/<h>`` (its recency).
+``use/<h>.<uuid>``  an empty marker rewritten when a host imports or re-advertises
+             ``obj/<h>.<uuid>`` (its recency).
 
 A downloaded object is used only after `parse_object` has checked it completely: its
 header names this model and probe setting, its tokens are the ones the manifest and the
@@ -52,9 +56,10 @@ def _tok_bytes(tokens: np.ndarray) -> bytes:
     return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
 
 
-def object_name(ns: str, first_pos: int, tokens: np.ndarray) -> str:
+def object_name(ns: str, first_pos: int, tokens: np.ndarray, uid: bytes) -> str:
+    """The name of a chunk file's object: its tokens' digest and its UUID."""
     h = hashlib.sha256(f"{ns}/obj/{first_pos}/".encode() + _tok_bytes(tokens)).hexdigest()[:40]
-    return f"m-{ns}/obj/{h}"
+    return f"m-{ns}/obj/{h}.{uid.hex()}"
 
 
 def key_name(ns: str, prefix: np.ndarray) -> str:
@@ -126,12 +131,14 @@ class Manifest:
 
 @dataclass
 class ParsedObject:
-    """A checked chunk file: its index record, the whole sequence it extends, its uuid name."""
+    """A checked chunk file: its index record, the whole sequence it extends, its uuid
+    name (local), where its blocks start and its object name (remote)."""
 
     new_file: NewFile
     tokens: np.ndarray
     file_name: str
     data_start: int
+    object: str
 
 
 def header_length(data: bytes) -> int:
@@ -141,29 +148,32 @@ def header_length(data: bytes) -> int:
     return 8 + struct.unpack("<Q", data[:8])[0]
 
 
-def _safetensors_header(data: bytes) -> dict:
-    if len(data) < 8:
-        raise BadObject("object shorter than a header")
-    (size,) = struct.unpack("<Q", data[:8])
-    if size > len(data) - 8:
+def _safetensors_header(data: bytes) -> tuple[dict, int]:
+    """A chunk file's header and the offset of its first block."""
+    data_start = header_length(data)
+    if data_start > len(data):
         raise BadObject("header larger than the object")
     try:
-        return json.loads(data[8 : 8 + size])
+        header = json.loads(data[8:data_start])
     except ValueError as exc:
         raise BadObject(f"unreadable header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise BadObject("unreadable header: not a JSON object")
+    return header, data_start
 
 
 def parse_object(
-    data: bytes, name: str, ns: str, spec: ModelSpec, probe: ProbeSpec, row_bytes: tuple[int, int],
+    data: bytes, name: str | None, ns: str, spec: ModelSpec, probe: ProbeSpec, row_bytes: tuple[int, int],
     size: int | None = None,
 ) -> ParsedObject:
     """Check a downloaded chunk file completely (see the module docstring) and return its
     index record. With ``size`` (the object's size), ``data`` may be its header only:
-    the blocks are then verified when they are read (`lazy`)."""
+    the blocks are then verified when they are read (`lazy`). ``name=None``: a local
+    file about to be uploaded; its object name is derived from its header
+    (`ParsedObject.object`)."""
     verify = size is None
     size = len(data) if size is None else size
-    header = _safetensors_header(data)
-    data_start = 8 + struct.unpack("<Q", data[:8])[0]
+    header, data_start = _safetensors_header(data)
     meta = header.get("__metadata__") or {}
     try:
         if json.loads(meta["model"]) != spec.to_dict():
@@ -185,7 +195,8 @@ def parse_object(
         raise BadObject(f"object header incomplete: {exc}") from exc
     if len(uid) != 16 or layers != spec.num_layers or len(tokens) != first_pos + n or n < 1 or ct < 1:
         raise BadObject("object header inconsistent")
-    if object_name(ns, first_pos, tokens) != name:
+    own = object_name(ns, first_pos, tokens, uid)
+    if name is not None and own != name:
         raise BadObject("object does not hold the tokens its name promises")
     rows = tokens[first_pos:]
     offsets = np.zeros((2, layers, nb), dtype=np.int64)
@@ -215,4 +226,4 @@ def parse_object(
                 raise BadObject(f"block {idx} fails its checksum")
     nbytes = int((ends - offsets)[KV].sum()) + layers * n * row_bytes[PROBE]
     new_file = NewFile(f"{uid.hex()}.safetensors", "safetensors", first_pos, rows, context, ct, layers, offsets, checksums, nbytes, size, perm)
-    return ParsedObject(new_file, tokens, new_file.name, data_start)
+    return ParsedObject(new_file, tokens, new_file.name, data_start, own)

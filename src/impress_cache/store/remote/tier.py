@@ -31,13 +31,13 @@ from ...config import ImpressConfig
 from ...index.radix import RadixNode
 from ...index.sqlite import FileRecord
 from ...model_info import ModelSpec
-from ...storage.remote import RemoteError, RemoteMissing, RemoteShort, open_remote
+from ...storage.remote import RemoteEntry, RemoteError, RemoteMissing, RemoteShort, open_remote
 from ..binding import ProbeSpec
 from ..catalog import Catalog
 from .lazy import RemoteFiles
 from .objects import (
-    BadObject, ChainEntry, Manifest, boundaries, header_length, key_name, manifest_name, namespace, object_name,
-    parse_object, use_name,
+    BadObject, ChainEntry, Manifest, boundaries, header_length, key_name, manifest_name, namespace, parse_object,
+    use_name,
 )
 
 log = logging.getLogger(__name__)
@@ -91,9 +91,11 @@ class RemoteTier:
         self.backend = open_remote(str(config.remote), config.remote_options)
         self.ns = namespace(spec, probe)
         self.counters = RemoteCounters()
-        self._known: set[str] = set()  # objects known to be on the remote
         self._bad: dict[str, float] = {}  # objects that failed: not used again for BAD_COOLDOWN_S
-        self.files = RemoteFiles(catalog.root, catalog.chunks_fd, self.backend, self._fetched, config.file_mode)
+        self.files = RemoteFiles(
+            catalog.root, catalog.chunks_fd, self.backend, self._fetched, config.file_mode, config.fsync
+        )
+        catalog.companions = self.files  # sidecars go with their files and count in the disk budget
         self._warned: set[str] = set()
         self._import_lock = threading.Lock()
         self._down_until = 0.0  # lookups skipped until then (the server failed a request)
@@ -223,16 +225,13 @@ class RemoteTier:
         except BadObject:
             self._bad[entry.object] = time.monotonic()
             raise
-        self._known.add(entry.object)
         cat = self._catalog
         name = parsed.file_name
         if os.path.lexists(cat.chunks / name):
             return  # this host holds that file already (under another path)
         if cat.match(parsed.tokens).length < parsed.new_file.first_pos:
             return  # the prefix it extends is not here (removed meanwhile)
-        try:
-            self.files.create(name, entry.object, entry.size, head)
-        except FileExistsError:
+        if not self.files.create(name, entry.object, entry.size, head):
             return  # another process of this directory linked it first: its file, not ours to remove
         try:
             done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
@@ -309,6 +308,8 @@ class RemoteTier:
                 delay = min(delay * 2, 5.0)
 
     def _upload(self, job: _Upload) -> None:
+        # every object the manifest lists is checked on the server now (HEAD), never taken
+        # from what this process saw earlier: another host may have evicted it meanwhile
         chain = []
         for local, first_pos, end in job.files:
             linked = self.files.object_of(local)
@@ -317,6 +318,7 @@ class RemoteTier:
                 if size is None:
                     log.debug("remote tier: %s was evicted remotely; not uploading a prompt that needs it", linked)
                     return
+                self.backend.put(use_name(linked), b"")  # advertised again: recent for the remote budget
                 chain.append(ChainEntry(linked, first_pos, end, size))
                 continue
             try:
@@ -326,13 +328,15 @@ class RemoteTier:
                 return
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
-            name = object_name(self.ns, first_pos, _header_tokens(data))
-            parse_object(data, name, self.ns, self._spec, self._probe, self._row_bytes)  # never upload damage
-            if name not in self._known and self.backend.head(name) != len(data):
+            # never upload damage; the name carries the file's UUID, so no other file's
+            # object is ever overwritten
+            name = parse_object(data, None, self.ns, self._spec, self._probe, self._row_bytes).object
+            if self.backend.head(name) != len(data):
                 self.backend.put(name, data)
                 self.counters.objects_uploaded += 1
                 self.counters.bytes_uploaded += len(data)
-            self._known.add(name)
+            else:
+                self.backend.put(use_name(name), b"")
             chain.append(ChainEntry(name, first_pos, end, len(data)))
         manifest = Manifest(job.tokens, tuple(chain))
         man = manifest_name(self.ns, job.tokens, [c.object for c in chain])
@@ -358,13 +362,17 @@ class RemoteTier:
             return out
         uses = {o.name: o.mtime for o in self.backend.list(f"m-{self.ns}/use/")}
         now = time.time()
-        cands = [o for o in objs if o.name not in keep and now - o.mtime >= self._cfg.remote_grace_s]
-        cands.sort(key=lambda o: max(o.mtime, uses.get(use_name(o.name), 0.0)))
+        def used_at(o: RemoteEntry) -> float:
+            return max(o.mtime, uses.get(use_name(o.name), 0.0))
+
+        # the grace period counts from the last upload or link: a host that just found an
+        # object can read it
+        cands = [o for o in objs if o.name not in keep and now - used_at(o) >= self._cfg.remote_grace_s]
+        cands.sort(key=used_at)
         for o in cands:
             if total <= budget:
                 break
             self.backend.delete([o.name, use_name(o.name)])
-            self._known.discard(o.name)
             total -= o.size
             out["evicted_objects"] += 1
             out["evicted_bytes"] += o.size
@@ -388,19 +396,10 @@ class RemoteTier:
         self.flush()
         self._stop.set()
         self._pool.shutdown(wait=True)
+        self._catalog.companions = None
+        self.files.close()
         self.backend.close()
 
     def stats(self) -> dict[str, int]:
         return asdict(self.counters)
 
-
-def _header_tokens(data: bytes) -> np.ndarray:
-    import base64
-    import struct
-
-    try:
-        (size,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8 : 8 + size])["__metadata__"]
-        return np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int64)
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
-        raise BadObject(f"local chunk file without a readable header: {exc}") from exc

@@ -137,6 +137,11 @@ class ImportanceStats:
                 del self._nodes[node_id]
                 self.dirty.discard(node_id)
 
+    def unsaved(self, node_ids: Iterable[int]) -> None:
+        """Mark exported statistics as changed again (their save failed)."""
+        with self._lock:
+            self.dirty.update(node_ids)
+
     def export(self) -> dict[int, tuple[np.ndarray, float, int]]:
         """The statistics changed since the last export, decayed to now."""
         with self._lock:
