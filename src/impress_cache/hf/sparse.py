@@ -140,7 +140,7 @@ class SparsePrefill:
             before = self.selections.get(layer_idx - 2, {}).get(i) if agreed else None
             if before is not None:
                 units = sorted(set(units).intersection(lay.at(layer_idx - 2).units_for(before.reshape(-1))))
-            if len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
+            if 0 < len(units) < len(lay.at(layer_idx).units_all()):  # a layer that read everything predicts nothing
                 self._ahead[i] = (layer_idx, units, self.store.start_layout(lay, KV, [layer_idx], units, known=self.memo))
 
     def _row_from(
@@ -258,6 +258,8 @@ class SparsePrefill:
             except CorruptBlockError:
                 pass  # nothing of it is used
         self._ahead.clear()
+        if self.store.config.decode != "full":
+            self.memo.clear()  # only the read of the whole prefix would use them again
         if self._ahead_needed:
             self.stats.prefetch_hit_rate = self._ahead_hits / self._ahead_needed
         if self.probes is not None:

@@ -110,7 +110,7 @@ class PendingRead:
             if shares is not None:
                 plan = self._plan
                 per_slot = np.zeros(len(plan.nbytes))
-                per_slot[np.asarray(plan.slot_of)] = [clip_share(x) for x in shares]
+                per_slot[np.asarray(plan.slot_of, dtype=np.int64)] = [clip_share(x) for x in shares]
                 plan.shares = per_slot
             self._result = self._io._finish(self._plan)
         return self._result
