@@ -137,9 +137,9 @@ class ImpressConfig:
         the next layer (adjacent layers select largely the same ones), so that the next
         layer finds most of its rows read; what it chose besides is read then. ``True``
         (or ``"next"``): the blocks this layer chose; ``"agreed"``: the blocks both this
-        layer and the one before chose (fewer wrong guesses: at 4k-8k tokens, half the
-        blocks read in vain for 0.64 instead of 0.75 of the needed ones found read;
-        docs: Performance). Blocks read this way but not chosen count as invalid I/O
+        layer and the one before chose (fewer wrong guesses: in the TTFT benchmark about
+        half the bytes read in vain, with 0.58-0.70 instead of 0.71-0.79 of the needed
+        blocks found read at 1k, 2k and 8k tokens; docs: Performance). Blocks read this way but not chosen count as invalid I/O
         (and, with ``decode="full"``, are not read again for decoding). Off by default:
         in the answers benchmark those blocks were 0.07 to 0.13 of the prefix's bytes
         read before the first token at 1k-2k tokens (docs: Sparse loading).
