@@ -72,6 +72,8 @@ OPEN_QUESTIONS = {
         "Is the text from a tutorial or from a reference manual? Explain briefly.",
         "What is the last topic discussed in the text?",
         "Summarize the first paragraph of the text in one sentence.",
+        "Which example of Python code does the text give? Quote one line.",
+        "What error or exception does the text mention?",
     ),
     "code": (
         "Explain in two sentences what the code above does.",
@@ -79,6 +81,8 @@ OPEN_QUESTIONS = {
         "Name two functions defined in the code above and say what they do.",
         "What would be a good file name for the code above?",
         "Which modules does the code above import?",
+        "What does the first function in the code above return?",
+        "Which exception does the code above raise or handle?",
     ),
 }
 #: the configurations compared with dense reuse (on top of the library's defaults)
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=["heldout", "tune", "both"], default="heldout")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--kinds", nargs="+", default=["prose", "code"])
-    p.add_argument("--questions", type=int, default=8, help="questions per text (at most 8)")
+    p.add_argument("--questions", type=int, default=10, help="questions per text (at most 10: 20 per length)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS))
     p.add_argument("--work", default=None,
                    help="directory for the stored prefixes and dense references, kept for later runs "
