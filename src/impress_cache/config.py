@@ -49,8 +49,9 @@ class ImpressConfig:
         Share of a reused prefix whose K/V is loaded for the prefill of new tokens.
         The default 0.2 (the paper uses 0.25) with the new tokens recomputed after the
         prefill and the uncertainty guard kept greedy answers identical to dense
-        reuse's in the answers benchmark while reading 0.33-0.47 of the prefix before
-        the first token (0.27-0.30 where the guard did not fire; docs: Sparse loading). ``1.0`` loads the whole prefix and
+        reuse's in the answers benchmark (``results/answers-20q.json``) while reading
+        0.32-0.43 of the prefix before the first token (0.27-0.32 where the guard did
+        not fire; docs: Sparse loading). ``1.0`` loads the whole prefix and
         reproduces uncached generation exactly.
     probe_heads:
         Probe query heads per layer, taken from different KV groups. Their groups' KV
@@ -139,7 +140,7 @@ class ImpressConfig:
         (or ``"next"``): the blocks this layer chose; ``"agreed"``: the blocks both this
         layer and the one before chose (fewer wrong guesses: in the TTFT benchmark about
         half the bytes read in vain, with 0.58-0.70 instead of 0.71-0.79 of the needed
-        blocks found read at 1k, 2k and 8k tokens; docs: Performance). Blocks read this way but not chosen count as invalid I/O
+        blocks found read at 1k, 2k and 8k tokens; docs: Time to first token). Blocks read this way but not chosen count as invalid I/O
         (and, with ``decode="full"``, are not read again for decoding). Off by default:
         in the answers benchmark those blocks were 0.07 to 0.13 of the prefix's bytes
         read before the first token at 1k-2k tokens (docs: Sparse loading).
@@ -152,7 +153,8 @@ class ImpressConfig:
         URL of a remote tier shared with other hosts (``"s3://bucket/prefix"``; docs:
         Several hosts), or ``None`` (default) for a store on this host only. Stored
         prompts are uploaded in the background; a prompt not stored locally is looked up
-        there and its stored prefix downloaded into the local store before it is reused.
+        there and its stored prefix linked into the local store, its blocks fetched with
+        ranged reads when they are read.
     remote_options:
         Options for the remote client (s3fs): ``key``, ``secret``, ``client_kwargs``
         (``endpoint_url``, ``region_name``), ``connect_timeout``, ``read_timeout``,

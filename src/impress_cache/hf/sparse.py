@@ -98,7 +98,8 @@ class SparsePrefill:
         batch = key_states.shape[0]
         # zeros only where a row leaves some of the k rows unfilled (masked, but never garbage)
         lays = [self.layouts[self.row_of(i)] for i in range(batch)]
-        buf = prefix_buffer(self.store, batch, self.k, self.room, any(lay is None or lay.length < self.k for lay in lays))
+        buf_zeroed = any(lay is None or lay.length < self.k for lay in lays)
+        buf = prefix_buffer(self.store, batch, self.k, self.room, buf_zeroed)
         sims, thresholds, fell_back = [], [], False
         for i in range(batch):
             src = self.row_of(i)
@@ -108,6 +109,8 @@ class SparsePrefill:
             mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
             sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem)
             k_i = sel.keys.shape[1]
+            if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
+                buf[:, i, :, : self.k - k_i] = 0
             self.selections.setdefault(layer_idx, {})[i] = sel.rows
             buf[0, i, :, self.k - k_i : self.k] = sel.keys
             buf[1, i, :, self.k - k_i : self.k] = sel.values

@@ -250,7 +250,9 @@ class FileTable:
         self._uuid = uuid
         self._context = context
         self._tok_start = tok_start
-        #: token ids of every file in the columns, one after the other
+        #: token ids of every file in the columns, one after the other (read-only: records
+        #: and tree nodes are views of it, and a write through one would change the others)
+        tokens.flags.writeable = False
         self.tokens = tokens
         self._words = words
         self._odd = odd

@@ -410,9 +410,9 @@ class Catalog:
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""
         if FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4])):
+            if self.companions is not None:  # first: a file re-created under the name keeps its own
+                self.companions.drop(name)
             try:
                 os.unlink(name, dir_fd=self.chunks_fd)
             except FileNotFoundError:
                 pass
-            if self.companions is not None:
-                self.companions.drop(name)

@@ -94,10 +94,6 @@ class StatsKeeper:
         self._saved_at = self._tiers.now()
         self._background(self._save_quietly)
 
-    def forget(self, file_ids: set[int]) -> None:
-        """Nothing to do per removed file: a save skips the marked blocks the tiers no
-        longer know (a removal's cost must not grow with the marked blocks)."""
-
     def save(self) -> int:
         """Write the statistics changed since the last save to the index; returns the
         number of block records written (node records are written too)."""

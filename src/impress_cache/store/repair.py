@@ -8,8 +8,9 @@ repair reads those headers, inserts the files in order of their first position (
 extends the prefix the files before it hold) into a new index, exactly as the writer
 commits a prompt, and replaces the old index with it. Files whose header cannot be read,
 that belong to another model or whose prefix no other file holds are moved to
-``quarantine/``. Then every block of every indexed file is read and verified; a file
-that fails is quarantined too. Run it while no process has the store open.
+``quarantine/``. `impress-cache verify --repair` then reads and verifies every block of
+every indexed file (`cli.repair_store`) and quarantines a file that fails. Run it while
+no process has the store open.
 """
 
 from __future__ import annotations

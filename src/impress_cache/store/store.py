@@ -424,7 +424,6 @@ class ImpressStore:
     def _forget_files(self, file_ids: set[int], records: dict[int, FileRecord]) -> None:
         """Drop everything the memory tiers know about blocks of deleted files."""
         drop_blocks(self.tiers, file_ids, records)
-        self._stats.forget(file_ids)
 
     # -- maintenance -----------------------------------------------------------------
     def quarantine(self, file_id: int, reason: str) -> bool:

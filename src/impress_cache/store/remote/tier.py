@@ -158,6 +158,8 @@ class RemoteTier:
             if not isinstance(exc, RemoteMissing):
                 self._down_until = time.monotonic() + DOWN_BACKOFF_S
             self._warn("request", exc)
+        except OSError as exc:  # a local write of the pull (no space, a file gone): compute instead
+            self._warn("local write", exc)
         gained = self._catalog.match(tokens, limit).length - local
         if gained > 0:
             self.counters.lookup_hits += 1
