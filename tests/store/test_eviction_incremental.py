@@ -148,3 +148,31 @@ def test_the_examples_evict(tmp_path_factory, monkeypatch):
     # from run to run (8 of 40 in the fewest seen), so ask for a few
     assert evictions[0] > 0
     assert sum(1 for n in evictions[1:] if n) >= 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["score", "lru", "lfu"]),
+    st.lists(
+        st.tuples(
+            st.integers(0, 50), st.floats(0, 1e6), st.floats(0, 1), st.integers(0, 10**9),
+            st.floats(-1e6, 1e9), st.floats(-1e6, 1e9),
+        ),
+        min_size=1, max_size=20,
+    ),
+)
+def test_column_keys_are_the_records_keys(name, rows):
+    """The keys the eviction heap starts from (`sort_keys` of saved columns) are exactly
+    the keys of the records those columns become (`sort_key`), for every policy."""
+    import numpy as np
+
+    from impress_cache.tiers.policies import make_policy
+
+    policy = make_policy(name)
+    cols = np.array(rows, np.float64).reshape(-1, 6)
+    keys = policy.sort_keys(cols)
+    for i, row in enumerate(rows):
+        policy.load_stats(i, {
+            "count": row[0], "freq": row[1], "share": row[2], "seq": row[3], "freq_time": row[4], "last_access": row[5],
+        })
+        assert (float(keys[i]), row[3]) == policy.sort_key(i, 0.0)

@@ -217,6 +217,10 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
+    def leaf_ids(self) -> list[int]:
+        """Ids of the nodes without children (the root excepted), in no order."""
+        return [i for i, n in self._nodes.items() if not n._kids and i != 0]
+
     def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:
         """Longest stored prefix of ``tokens`` (at most ``limit`` tokens)."""
         arr = as_tokens(tokens)

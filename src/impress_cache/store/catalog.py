@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -60,6 +60,10 @@ class Companions(Protocol):
     def drop(self, name: str) -> None: ...
 
     def disk_bytes(self) -> int: ...
+
+
+def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
+    yield from ids()
 
 
 def _dir_blocks(path: Path) -> int:
@@ -112,8 +116,8 @@ class Catalog:
 
     def _load(self) -> None:
         self.tree, self.records = self.index.load_tree()
-        # a generator: only a store that keeps an eviction order walks the tree for it
-        self._on_leaves((n.id for n in self.tree.nodes() if n.is_leaf()), True)
+        # a generator: only a store that keeps an eviction order lists the leaves
+        self._on_leaves(_later(self.tree.leaf_ids), True)
 
     def _add_record(self, record: FileRecord) -> None:
         self.records[record.id] = record

@@ -222,7 +222,7 @@ class StoreGC:
         protected = set(protect)
         if not self._values.ordering:  # the first call: candidates from the whole tree, once
             with catalog.lock:
-                self._values.reset_order([n.id for n in catalog.tree.nodes() if not n.children], start=True)
+                self._values.reset_order(catalog.tree.leaf_ids(), start=True)
         bound = wal_bound(budget)
         self._trim_wal(bound)
         stuck = False

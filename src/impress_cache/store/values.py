@@ -18,8 +18,10 @@ leaf of the tree, and free to go, is the caller's check. Stale items are dropped
 when the heap holds more than four times as many items as nodes it knows.
 
 Statistics saved in the index are kept as columns when the store opens (`load_saved`)
-and become policy records only when their node is used (accessed, split, ordered for
-the disk budget): a store without a disk budget holds a few dozen bytes per node.
+and become policy records only when their node is used (accessed, split, or taken off
+the eviction heap): the heap's first items are keyed from the columns at once (the
+policy's `sort_keys`), so starting the disk budget on a large store costs a sort, not a
+record per node.
 """
 
 from __future__ import annotations
@@ -89,23 +91,6 @@ class NodeValues:
             self._waiting[i] = False
             if node_id not in self._policy:
                 self._install_row(node_id, self._saved[i])
-
-    def _take_all(self) -> None:
-        """Install every waiting saved record at once (under the lock)."""
-        rows = np.flatnonzero(self._waiting)
-        if not len(rows):
-            return
-        ids = self._saved_ids[rows].tolist()
-        known = [n in self._policy for n in ids]
-        if any(known):
-            keep = ~np.asarray(known)
-            rows, ids = rows[keep], [n for n, k in zip(ids, known) if not k]
-        cols = self._saved[rows]
-        self._policy.load_columns(
-            ids, cols[:, 0].astype(np.int64).tolist(), cols[:, 1].tolist(), cols[:, 2].tolist(),
-            cols[:, 3].astype(np.int64).tolist(), cols[:, 4].tolist(), cols[:, 5].tolist(),
-        )
-        self._saved_ids, self._saved, self._waiting = np.zeros(0, np.int64), np.zeros((0, 6)), np.zeros(0, bool)
 
     def _drop_saved(self, node_id: int) -> None:
         ids = self._saved_ids
@@ -215,9 +200,32 @@ class NodeValues:
             self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
-            self._take_all()  # (nearly) every node is a leaf: install all saved records at once
-            self._heap = [(self._policy.sort_key(n, now), n) for n in self._queued]
-            heapq.heapify(self._heap)
+            ids = np.fromiter(self._queued, np.int64, len(self._queued))
+            heap: list[tuple[tuple[float, int], int]] = []
+            saved, rows = self._waiting_rows(ids)
+            keys = self._policy.sort_keys(self._saved[rows]) if len(rows) else None
+            if keys is None:  # a policy without a column form: its rows loaded one by one
+                saved[:] = False
+            else:  # saved rows keyed as columns; their records are made when popped (`_take`)
+                seqs = self._saved[rows, 3].astype(np.int64).tolist()
+                heap = list(zip(zip(keys, seqs), ids[saved].tolist()))
+            heap += [(self._sort_key(n, now), n) for n in ids[~saved].tolist()]
+            heapq.heapify(heap)
+            self._heap = heap
+
+    def _waiting_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` have saved statistics still waiting, and their rows."""
+        saved_ids = self._saved_ids
+        if not len(saved_ids) or not len(ids):
+            return np.zeros(len(ids), bool), np.zeros(0, np.int64)
+        rows = np.minimum(np.searchsorted(saved_ids, ids), len(saved_ids) - 1)
+        hit = (saved_ids[rows] == ids) & self._waiting[rows]
+        return hit, rows[hit]
+
+    def _sort_key(self, node_id: int, now: float) -> tuple[float, int]:
+        """The node's current key, its saved statistics installed first (under the lock)."""
+        self._take(node_id)
+        return self._policy.sort_key(node_id, now)
 
     def pop(self) -> int | None:
         """The queued node with the lowest current key, taken off the heap (``None``
@@ -229,7 +237,7 @@ class NodeValues:
                 key, node_id = heapq.heappop(heap)
                 if node_id not in self._queued:
                     continue
-                current = self._policy.sort_key(node_id, now)
+                current = self._sort_key(node_id, now)
                 if current != key:  # statistics changed since this item was pushed
                     heapq.heappush(heap, (current, node_id))
                     continue
@@ -243,8 +251,7 @@ class NodeValues:
     def _push(self, node_id: int, now: float) -> None:
         if not self.ordering:
             return
-        self._take(node_id)
-        heapq.heappush(self._heap, (self._policy.sort_key(node_id, now), node_id))
+        heapq.heappush(self._heap, (self._sort_key(node_id, now), node_id))
         self._queued.add(node_id)
         if len(self._heap) > _COMPACT_MIN and len(self._heap) > 4 * len(self._queued):
             self._compact(now)
@@ -256,6 +263,6 @@ class NodeValues:
         for _, node_id in self._heap:
             if node_id in self._queued and node_id not in seen:
                 seen.add(node_id)
-                kept.append((self._policy.sort_key(node_id, now), node_id))
+                kept.append((self._sort_key(node_id, now), node_id))
         heapq.heapify(kept)
         self._heap = kept

@@ -179,6 +179,14 @@ class EvictionPolicy(ABC):
         """
         return (self.priority(key, now), self._get(key).seq)
 
+    def sort_keys(self, columns: Any) -> list[float] | None:
+        """The first elements of `sort_key` (a list) for statistics not loaded yet, given as
+        columns (``float64 [n, 6]`` of ``count, freq, share, seq, freq_time,
+        last_access``, as `load_columns` takes them): what `sort_key` gives once each
+        row is loaded (up to rounding; the second element is ``seq``). ``None`` when the
+        policy has no column form (its rows are then loaded one by one)."""
+        return None
+
     # ------------------------------------------------------------------ importance
     def importance_share(self, key: Hashable) -> float:
         """Moving average of the block's important share (1.0 if unknown)."""

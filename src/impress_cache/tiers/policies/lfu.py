@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
 
 from .base import EvictionPolicy
 
@@ -19,3 +22,6 @@ class LFUPolicy(EvictionPolicy):
     def priority(self, key: Hashable, now: float) -> float:
         """Number of recorded accesses."""
         return float(self._get(key).count)
+
+    def sort_keys(self, columns: Any) -> list[float]:
+        return columns[:, 0].astype(np.int64).astype(float).tolist()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
 
 from .base import EvictionPolicy
 
@@ -21,3 +24,6 @@ class LRUPolicy(EvictionPolicy):
     def priority(self, key: Hashable, now: float) -> float:
         """Sequence number of the last access; lower is older."""
         return float(self._get(key).seq)
+
+    def sort_keys(self, columns: Any) -> list[float]:
+        return columns[:, 3].astype(np.int64).astype(float).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Any
 
 from ...validate import check_seconds, check_unit
 from .base import BlockStats, EvictionPolicy
@@ -85,6 +86,16 @@ class ScorePolicy(EvictionPolicy):
             return (-math.inf, st.seq)
         offset = 0.0 if math.isinf(self.half_life_s) else st.freq_time / self.half_life_s
         return (math.log2(product) + offset, st.seq)
+
+    def sort_keys(self, columns: Any) -> list[float]:
+        w = self.unimportant_weight
+        product = (columns[:, 1] * (w + (1.0 - w) * columns[:, 2])).tolist()  # as `sort_key` rounds it
+        if math.isinf(self.half_life_s):
+            offset = [0.0] * len(product)
+        else:
+            offset = (columns[:, 4] / self.half_life_s).tolist()
+        log2, inf = math.log2, -math.inf
+        return [log2(p) + o if p > 0.0 else inf for p, o in zip(product, offset)]
 
     def decayed_frequency(self, key: Hashable, now: float) -> float:
         """Access frequency of the block decayed to ``now``."""
