@@ -205,3 +205,29 @@ def test_empty_table():
     assert len(t) == 0 and list(t) == [] and t.get(1) is None and 1 not in t and t.file_bytes == 0
     with pytest.raises(KeyError):
         t[1]
+
+
+def test_statistics_go_with_their_node_and_file_also_in_an_older_index(tmp_path):
+    """A node's and a file's saved statistics are deleted with them (triggers), also in an
+    index made before the triggers existed (they are added when it is opened)."""
+    path = tmp_path / "index.sqlite"
+    index = Index(path)
+    with index.transaction() as conn:
+        conn.execute("DROP TRIGGER node_removed")  # an index of the version before
+        conn.execute("DROP TRIGGER file_removed")
+    index.close()
+    index = Index(path)
+    with index.transaction() as conn:
+        fids = [index.add_file(conn, new_file(np.arange(4) + 10 * i, 0)) for i in range(2)]
+        nodes = [index.add_node(conn, 0, fid, 0, 4, 1) for fid in fids]
+    index.save_node_stats({n: {"count": 1} for n in nodes}, 0.0)
+    index.save_block_stats({(fid, 0, 0, 0): {"count": 1} for fid in fids}, 0.0)
+    with index.transaction() as conn:
+        index.delete_node(conn, nodes[0])
+        assert index.delete_file_if_unreferenced(conn, fids[0])
+        assert not index.delete_file_if_unreferenced(conn, fids[1])  # node 1 still needs it
+    rows = index._conn.execute("SELECT node_id FROM node_stats").fetchall()
+    assert rows == [(nodes[1],)]
+    assert index._conn.execute("SELECT file_id FROM block_stats").fetchall() == [(fids[1],)]
+    assert [r.id for r in index.files()] == [fids[1]]
+    index.close()

@@ -66,3 +66,12 @@ CREATE TABLE IF NOT EXISTS node_stats (
     saved_at REAL NOT NULL
 );
 """
+
+#: a node's and a file's statistics go with them (one statement per removal: the disk
+#: budget removes a leaf and perhaps its file with each write at the budget)
+TRIGGERS = (
+    "CREATE TRIGGER IF NOT EXISTS node_removed AFTER DELETE ON nodes BEGIN "
+    "DELETE FROM node_stats WHERE node_id = OLD.id; DELETE FROM node_importance WHERE node_id = OLD.id; END",
+    "CREATE TRIGGER IF NOT EXISTS file_removed AFTER DELETE ON files BEGIN "
+    "DELETE FROM block_stats WHERE file_id = OLD.id; END",
+)

@@ -32,7 +32,7 @@ from ..storage.base import BlockKey
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
 
-from .schema import SCHEMA, SCHEMA_VERSION, WAL_LIMIT
+from .schema import SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
 
 
 #: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
@@ -81,7 +81,7 @@ class Index:
                     self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                     with self.transaction() as conn:
                         version = self._check_version(conn)
-                        for statement in SCHEMA.split(";"):
+                        for statement in [*SCHEMA.split(";"), *TRIGGERS]:  # (stores made before the triggers get them)
                             if statement.strip():
                                 conn.execute(statement)
                         if version is None:
@@ -285,17 +285,20 @@ class Index:
         return np.frombuffer(row[2], dtype="<i4").reshape(row[0], row[1])
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
-        """Forget a file and its blocks' statistics (inside a transaction)."""
-        conn.execute("DELETE FROM block_stats WHERE file_id=?", (file_id,))
+        """Forget a file and (trigger ``file_removed``) its blocks' statistics (inside a transaction)."""
         conn.execute("DELETE FROM files WHERE id=?", (file_id,))
+
+    def delete_file_if_unreferenced(self, conn: sqlite3.Connection, file_id: int) -> bool:
+        """`delete_file` if no node points at the file any more (one indexed statement);
+        whether it was deleted."""
+        cur = conn.execute(
+            "DELETE FROM files WHERE id=? AND NOT EXISTS (SELECT 1 FROM nodes WHERE file_id=?)", (file_id, file_id)
+        )
+        return cur.rowcount > 0
 
     def unreferenced_files(self, conn: sqlite3.Connection) -> list[int]:
         rows = conn.execute("SELECT id FROM files WHERE id NOT IN (SELECT DISTINCT file_id FROM nodes)").fetchall()
         return [r[0] for r in rows]
-
-    def file_referenced(self, conn: sqlite3.Connection, file_id: int) -> bool:
-        """Whether any node still points at ``file_id`` (an indexed lookup)."""
-        return conn.execute("SELECT 1 FROM nodes WHERE file_id=? LIMIT 1", (file_id,)).fetchone() is not None
 
     def footprint(self, wal: bool = True, main: bool = True) -> int:
         """Bytes the index, its WAL and shared-memory file take on disk (as ``du``);
@@ -343,8 +346,7 @@ class Index:
         conn.execute("UPDATE nodes SET terminal=terminal+1 WHERE id=?", (node_id,))
 
     def delete_node(self, conn: sqlite3.Connection, node_id: int) -> None:
-        conn.execute("DELETE FROM node_stats WHERE node_id=?", (node_id,))
-        conn.execute("DELETE FROM node_importance WHERE node_id=?", (node_id,))
+        """Forget a node and (trigger ``node_removed``) its statistics (inside a transaction)."""
         conn.execute("DELETE FROM nodes WHERE id=?", (node_id,))
 
     def load_tree(self) -> tuple[RadixTree, FileTable]:

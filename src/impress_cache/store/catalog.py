@@ -377,10 +377,9 @@ class Catalog:
 
     def drop_file_if_unreferenced(self, conn: object, file_id: int) -> FileRecord | None:
         """`drop_unreferenced_files` for one file (an indexed lookup, not a scan)."""
-        if self.index.file_referenced(conn, file_id):  # type: ignore[arg-type]
-            return None
         rec = self.records.get(file_id) or self.index.file(file_id)
-        self.index.delete_file(conn, file_id)  # type: ignore[arg-type]
+        if not self.index.delete_file_if_unreferenced(conn, file_id):  # type: ignore[arg-type]
+            return None
         self._drop_record(file_id)
         return rec
 
