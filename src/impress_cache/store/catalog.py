@@ -22,13 +22,13 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import CorruptBlockError, StoreFormatError
 from ..index.radix import Match, RadixNode, RadixTree, as_tokens
-from ..index.files import FileRecord, FileTable, NewFile
+from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
 from ..storage.base import BlockTable, context_digest, file_seed
 
@@ -60,6 +60,16 @@ class Companions(Protocol):
     def drop(self, name: str) -> None: ...
 
     def disk_bytes(self) -> int: ...
+
+
+def _record_of(file_id: int, f: NewFile) -> FileRecord:
+    """The record the index now holds for a file it has just added."""
+    tokens = np.array(f.tokens, dtype=np.int32)
+    tokens.flags.writeable = False
+    return check_record(FileRecord(
+        file_id, f.name, f.format, int(f.first_pos), len(tokens), int(f.chunk_tokens), int(f.layers), int(f.nbytes),
+        int(f.file_bytes), tokens, bytes(f.context), f.perm is not None,
+    ))
 
 
 def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
@@ -107,6 +117,9 @@ class Catalog:
         #: files kept beside some chunk files (the remote tier's sidecars): removed with
         #: their chunk file (`unlink`) and counted in `disk_bytes`
         self.companions: Companions | None = None
+        #: ``(conn, budget, adding, keep) -> removal or None``: the disk budget inside a
+        #: write's transaction (`StoreGC.evict_within`)
+        self.evictor: Callable[[object, int, int, set[int]], Any] | None = None
         self._load()
 
     @property
@@ -177,7 +190,7 @@ class Catalog:
             self.forget({fid for fid in self._open if fid not in self.records})
 
     def commit_prompt(
-        self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None
+        self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None, budget: int | None = None
     ) -> tuple[int, RadixNode | None] | None:
         """Index a stored prompt in one transaction, then update the tree.
 
@@ -185,9 +198,26 @@ class Catalog:
         the prompt was stored already). Returns ``(file_id, leaf)`` when the file was
         committed, ``None`` when it is not needed (another writer stored the prompt
         meanwhile) or cannot be used (part of the prefix it extends was removed); the
-        caller then deletes it.
+        caller then deletes it. With a disk ``budget`` and an `evictor`, the same
+        transaction removes what the new file needs room for.
         """
-        arr = as_tokens(tokens)
+        removal: list = []
+        try:
+            with self.lock:
+                done = self._commit_prompt(as_tokens(tokens), matched, new_file, budget, removal)
+                if removal and removal[0] is not None:
+                    removal[0].settle()
+        except BaseException:
+            if removal:  # leaves were taken out of the tree for a transaction that failed
+                self.reload_tree()
+            raise
+        if removal and removal[0] is not None:
+            removal[0].release()
+        return done
+
+    def _commit_prompt(
+        self, arr: np.ndarray, matched: int, new_file: NewFile | None, budget: int | None, removal: list
+    ) -> tuple[int, RadixNode | None] | None:
         ids: dict[str, int] = {}
         with self.lock:
             with self.index.transaction() as conn:
@@ -219,7 +249,11 @@ class Catalog:
                     ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
                 elif plan.terminal is not None:
                     self.index.add_terminal(conn, plan.terminal.id)
-                record = self.index.file(file_id) if new_file is not None else None
+                record = None if new_file is None else _record_of(file_id, new_file)
+                if budget is not None and self.evictor is not None and record is not None:
+                    keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
+                    removal.append(None)  # (from here on, a failure reloads the tree)
+                    removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
             # committed: now the tree follows
             if record is not None:
                 self._add_record(record)

@@ -57,6 +57,7 @@ class StoreGC:
         self._values = values
         self._clock = clock
         self.counters = GCCounters()
+        catalog.evictor = self.evict_within
 
     # -- damaged files ---------------------------------------------------------------
     def quarantine(self, file_id: int, reason: str) -> bool:
@@ -208,9 +209,11 @@ class StoreGC:
         IMPRESS score, recency or access count of the requests that reused it), lowest
         first, ties by node id. A leaf whose file a request has leased is never removed;
         a leaf matched within the grace period is removed only when no other candidate
-        is left and the store is still over budget. Each removal is a few indexed
-        statements; up to `BATCH` of them share one index transaction, and the catalog
-        lock is released between transactions. Chunk files no node references any more
+        is left and the store is still over budget. Each removal is two indexed
+        statements (a leaf, its file if no other node needs it); up to `BATCH` of them
+        share one index transaction, and the catalog lock is released between
+        transactions. A write at the budget usually made its room already, in its own
+        transaction (`evict_within`): then this call is a ``stat`` of the WAL. Chunk files no node references any more
         are deleted after the commit (a file shared with nodes that stay is kept: its
         bytes are freed once its last node goes). The cost of a call is proportional to
         what it removes and to the candidates it skips, not to the size of the store.
@@ -220,10 +223,13 @@ class StoreGC:
         if budget is None:
             return {**result, "disk_bytes": catalog.disk_bytes(), "budget": -1}
         protected = set(protect)
-        if not self._values.ordering:  # the first call: candidates from the whole tree, once
-            with catalog.lock:
-                self._values.reset_order(catalog.tree.leaf_ids(), start=True)
+        self._start_order()
         bound = wal_bound(budget)
+        catalog.refresh()
+        wal = catalog.index.wal_bytes()
+        size = catalog.disk_bytes(wal)
+        if wal <= bound and size + bound - wal <= budget:  # (usually: the write's own removals did it)
+            return {**result, "disk_bytes": size, "budget": budget}
         self._trim_wal(bound)
         stuck = False
         while True:
@@ -269,6 +275,28 @@ class StoreGC:
             self._catalog.index.checkpoint()
             self._catalog.remeasure()  # the checkpoint grew the index file
 
+    def _start_order(self) -> None:
+        if not self._values.ordering:  # the first call: candidates from the whole tree, once
+            with self._catalog.lock:
+                self._values.reset_order(self._catalog.tree.leaf_ids(), start=True)
+
+    def evict_within(self, conn: object, budget: int, adding: int, keep: set[int]) -> Removal | None:
+        """The disk budget inside a write's own index transaction (`Catalog.commit_prompt`,
+        under the catalog lock): remove the least valuable leaves (not those in ``keep``)
+        until the store, with the ``adding`` bytes of the file being committed, fits
+        ``budget`` (at most `BATCH`; `enforce` after the write does the rest). Their
+        removal commits with the write: no transaction, lock or statement of its own but
+        two per leaf. Returns what to do once committed (``None``: nothing removed)."""
+        self._start_order()
+        used = self._used(wal_bound(budget)) + adding
+        if used <= budget:
+            return None
+        victims, dropped, back, _ = self._remove_leaves(conn, budget, used, keep)
+        if not victims:
+            self._values.push(back)
+            return None
+        return Removal(self, victims, dropped, back)
+
     def _evict_batch(
         self, budget: int, wal_room: int, protected: set[int], used: int
     ) -> tuple[int, list[FileRecord], bool]:
@@ -276,15 +304,7 @@ class StoreGC:
         ``used`` bytes (`_used`, just measured). Returns how many leaves went, the files
         that went with them and whether it ran out of candidates."""
         catalog = self._catalog
-        values = self._values
         chunk_bytes = catalog.chunk_bytes
-        now = self._clock()
-        seen: set[int] = set()
-        aside: list[int] = []  # popped, not taken: back onto the heap afterwards
-        grace: list[tuple[tuple[float, int], int, RadixNode]] = []  # heap: free but for the grace period
-        victims: list[int] = []
-        dropped: list[FileRecord] = []
-        exhausted = False
         try:
             # not fsynced: a removal a power cut undoes leaves rows whose file is gone,
             # which reads treat as a damaged file (quarantine, recompute); the next
@@ -294,24 +314,40 @@ class StoreGC:
                 # above is seen to have children now (its removal would orphan them)
                 catalog.refresh()
                 used += catalog.chunk_bytes - chunk_bytes  # another process's files, if it reloaded
-                while used > budget and len(victims) < BATCH:
-                    node = self._next_candidate(protected, now, seen, aside, grace)
-                    if node is None:
-                        exhausted = True
-                        break
-                    catalog.remove(conn, node)
-                    victims.append(node.id)
-                    rec = catalog.drop_file_if_unreferenced(conn, node.file_id)
-                    if rec is not None:
-                        dropped.append(rec)
-                        used -= rec.file_bytes
+                victims, dropped, back, exhausted = self._remove_leaves(conn, budget, used, protected)
         except BaseException:
             catalog.reload_tree()
             raise
-        values.forget(victims)
-        values.push(aside + [item[1] for item in grace])
-        catalog.forget({rec.id for rec in dropped}, dropped)
+        Removal(self, victims, dropped, back).settle()
         return len(victims), dropped, exhausted
+
+    def _remove_leaves(
+        self, conn: object, budget: int, used: int, protected: set[int]
+    ) -> tuple[list[int], list[FileRecord], list[int], bool]:
+        """Remove free leaves, lowest value first, while ``used`` bytes exceed ``budget``
+        (at most `BATCH`), inside ``conn``'s transaction. Returns the leaves removed, the
+        files dropped with them, the popped candidates to put back on the heap and
+        whether none was left."""
+        catalog = self._catalog
+        now = self._clock()
+        seen: set[int] = set()
+        aside: list[int] = []  # popped, not taken: back onto the heap afterwards
+        grace: list[tuple[tuple[float, int], int, RadixNode]] = []  # heap: free but for the grace period
+        victims: list[int] = []
+        dropped: list[FileRecord] = []
+        exhausted = False
+        while used > budget and len(victims) < BATCH:
+            node = self._next_candidate(protected, now, seen, aside, grace)
+            if node is None:
+                exhausted = True
+                break
+            catalog.remove(conn, node)
+            victims.append(node.id)
+            rec = catalog.drop_file_if_unreferenced(conn, node.file_id)
+            if rec is not None:
+                dropped.append(rec)
+                used -= rec.file_bytes
+        return victims, dropped, aside + [item[1] for item in grace], exhausted
 
     def _next_candidate(
         self, protected: set[int], now: float, seen: set[int], aside: list[int],
@@ -338,6 +374,30 @@ class StoreGC:
                 heapq.heappush(grace, (self._values.sort_key(node_id), node_id, node))
             else:
                 return node
+
+
+class Removal:
+    """Leaves removed in an index transaction, for after its commit."""
+
+    def __init__(self, gc: StoreGC, victims: list[int], dropped: list[FileRecord], back: list[int]) -> None:
+        self.gc, self.victims, self.dropped, self.back = gc, victims, dropped, back
+
+    def settle(self) -> None:
+        """Under the catalog lock: forget the leaves and files, put the candidates passed
+        over back on the heap."""
+        gc = self.gc
+        gc._values.forget(self.victims)
+        gc._values.push(self.back)
+        gc._catalog.forget({rec.id for rec in self.dropped}, self.dropped)
+
+    def release(self) -> None:
+        """Outside the lock: unlink the files (once no request leases them), count."""
+        for rec in self.dropped:
+            self.gc._leases.defer_unlink(rec.id, rec.name)
+        c = self.gc.counters
+        c.prefixes_evicted += len(self.victims)
+        c.files_evicted += len(self.dropped)
+        c.disk_bytes_evicted += sum(rec.file_bytes for rec in self.dropped)
 
 
 def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:

@@ -152,7 +152,7 @@ class PromptWriter:
             return
         new_file, final = self._write_file(tokens, m, keys, values)
         try:
-            done = catalog.commit_prompt(tokens, m, new_file)
+            done = catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
         except BaseException:
             catalog.unlink(final)
             raise
