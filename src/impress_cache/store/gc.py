@@ -420,7 +420,14 @@ def drop_blocks(tiers: TierManager, file_ids: set[int], records: dict[int, FileR
         tiers.drop_where(lambda key: key[0] in unknown)
 
 
+#: most of the budget the WAL gets: above what SQLite's own checkpoints (every 1,000
+#: pages, ~4 MiB, in a write's commit) let it reach, so a large store at its budget
+#: checkpoints as often as below it (with 1 MiB, four times as often, each an fsync of
+#: the index inside a write's eviction)
+WAL_ROOM = 8 * WAL_LIMIT
+
+
 def wal_bound(budget: int) -> int:
     """Size past which the disk budget checkpoints and truncates the index's WAL: 1/16
-    of the budget, between 64 KiB and `WAL_LIMIT`."""
-    return max(64 << 10, min(WAL_LIMIT, budget // 16))
+    of the budget, between 64 KiB and `WAL_ROOM` (8 MiB)."""
+    return max(64 << 10, min(WAL_ROOM, budget // 16))
