@@ -6,6 +6,7 @@ removals, and stay small."""
 from __future__ import annotations
 
 import gc
+import re
 import tracemalloc
 import uuid
 
@@ -67,6 +68,7 @@ def check_against_index(cat: Catalog, covered: set[tuple]) -> None:
             assert fid in table and same_record(table[fid], rec) and same_record(table.get(fid), rec)
         assert table.file_bytes == sum(r.file_bytes for r in indexed.values())
         assert table.names() == {r.name for r in indexed.values()}
+        check_unlisted(table, indexed)
     assert -1 not in files and files.get(10**9) is None
     for s in covered:  # every stored prefix matches in the loaded tree, through the same rows
         m, m2 = tree.match(s), cat.tree.match(s)
@@ -75,6 +77,19 @@ def check_against_index(cat: Catalog, covered: set[tuple]) -> None:
             (g.file_id, g.file_row, g.length) for g in m2.segments
         ]
     assert sum(n.length for n in tree.nodes()) == len(covered)
+
+
+def check_unlisted(table: FileTable, indexed: dict) -> None:
+    """`FileTable.unlisted` leaves out exactly the standard names of the files in its columns."""
+    standard = {
+        r.name for fid, r in indexed.items() if fid not in table._added and re.fullmatch(r"[0-9a-f]{32}\.(safetensors|h5)", r.name)
+    }
+    names = [r.name for r in indexed.values()]
+    for r in list(indexed.values())[:3]:  # near misses of indexed names
+        stem, _, suffix = r.name.partition(".")
+        names += [stem.upper() + "." + suffix, stem + ".h5" if suffix != "h5" else stem + ".safetensors", stem + ".", "x" + r.name[1:]]
+    names += [uuid.uuid4().hex + ".safetensors", "é" * 32 + ".h5", "", "a.tmp", uuid.uuid4().hex + ".safetensors.tmp"]
+    assert table.unlisted(names, ("safetensors", "h5")) == [n for n in names if n not in standard]
 
 
 ops = st.lists(

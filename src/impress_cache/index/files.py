@@ -23,6 +23,9 @@ import numpy as np
 #: names the store gives its chunk files, kept as 16 bytes plus a suffix code
 _NAME = re.compile(r"([0-9a-f]{32})\.([a-z0-9]{1,16})")
 _SUFFIX = re.compile(r"[a-z0-9]{1,16}")
+#: the value of each lowercase hex digit by its ASCII code (16: not one)
+_HEX = np.full(256, 16, np.uint8)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint8)
 
 
 def release_free_heap() -> None:
@@ -117,6 +120,21 @@ def check_record(rec: FileRecord) -> FileRecord:
 #: the scalar columns, in the order `FileTable.Builder.add` takes them
 _INT_COLUMNS = ("first_pos", "n_tokens", "chunk_tokens", "layers", "nbytes", "file_bytes")
 _DTYPES = {"first_pos": np.int32, "n_tokens": np.int32, "chunk_tokens": np.int32, "layers": np.int32}
+
+
+def _among(queries: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """Which rows of ``queries`` (``uint8 [m, 16]``) are rows of ``known`` (``[n, 16]``):
+    by the first eight bytes (a sort and a binary search), then the other eight."""
+    q = np.ascontiguousarray(queries).view("<u8").reshape(-1, 2)
+    k = np.ascontiguousarray(known).view("<u8").reshape(-1, 2)
+    if not len(k) or not len(q):
+        return np.zeros(len(q), bool)
+    order = np.argsort(k[:, 0])
+    hi, lo = k[order, 0], k[order, 1]
+    if (hi[1:] == hi[:-1]).any():  # two files whose names share their first 16 hex digits
+        return np.isin(np.ascontiguousarray(queries).view("S16").ravel(), np.ascontiguousarray(known).view("S16").ravel())
+    i = np.minimum(np.searchsorted(hi, q[:, 0]), len(hi) - 1)
+    return (hi[i] == q[:, 0]) & (lo[i] == q[:, 1])
 
 
 class FileTable:
@@ -341,6 +359,36 @@ class FileTable:
         hexes, words = self._uuid[rows].tobytes().hex(), self._words
         out.update(f"{hexes[32 * j : 32 * j + 32]}.{words[c]}" for j, c in enumerate(self._suffix[rows].tolist()))
         return out
+
+    def unlisted(self, names: list[str], suffixes: tuple[str, ...]) -> list[str]:
+        """The entries of a directory listing ``names`` that are not the name of a file
+        held in the columns in the standard form (32 lowercase hex digits, a dot and its
+        suffix, one of ``suffixes``): usually none. Records added since the load and odd
+        names are never matched. Vectorised: no string per file is made."""
+        rows = np.flatnonzero(self._alive)
+        if self._odd:
+            rows = rows[~np.isin(self._ids[rows], np.fromiter(self._odd, np.int64, len(self._odd)))]
+        lengths = np.fromiter(map(len, names), np.int64, len(names))
+        matched = np.zeros(len(names), bool)
+        for word in suffixes:
+            code = self._words.index(word) if word in self._words else -1
+            at = np.flatnonzero(lengths == 33 + len(word))
+            if code < 0 or not len(at):
+                continue
+            group = [names[i] for i in at.tolist()]
+            ascii_ = np.fromiter(map(str.isascii, group), bool, len(group))
+            if not ascii_.all():  # (not a name of ours)
+                at, group = at[ascii_], [g for g, a in zip(group, ascii_.tolist()) if a]
+                if not group:
+                    continue
+            raw = "".join(group).encode("ascii")
+            chars = np.frombuffer(raw, np.uint8).reshape(len(group), 33 + len(word))
+            nibbles = _HEX[chars[:, :32]]
+            ok = (nibbles < 16).all(axis=1) & (chars[:, 32] == ord(".")) & (chars[:, 33:] == np.frombuffer(word.encode(), np.uint8)).all(axis=1)
+            uuids = (nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).astype(np.uint8)
+            ok &= _among(uuids, self._uuid[rows[self._suffix[rows] == code]])
+            matched[at[ok]] = True
+        return [names[i] for i in np.flatnonzero(~matched).tolist()]
 
     def odd_names(self) -> set[str]:
         """The names that are not 32 lowercase hex digits, a dot and a short suffix (and

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -153,20 +154,26 @@ class StoreGC:
         # it loaded; its file table, not a second read of the index's)
         with catalog.lock:
             catalog.refresh()
-            known = catalog.records.names()
-            odd = catalog.records.odd_names()
-        foreign, orphans = [], []
-        for entry in os.scandir(catalog.chunks_fd):
-            name = entry.name
-            if name in known and name not in odd and name.endswith(_SUFFIXES):
-                continue  # an indexed chunk file (one replaced by something else: quarantined when read)
-            ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
-            if ours and name in known and not entry.is_file(follow_symlinks=False):
-                continue  # an indexed file replaced by something else: quarantined when read
-            if not ours or not entry.is_file(follow_symlinks=False):
-                foreign.append(name)
-            elif name not in known:
-                orphans.append(name)
+            # every name but those of indexed files in the standard form (usually none)
+            rest = catalog.records.unlisted(os.listdir(catalog.chunks_fd), tuple(x[1:] for x in _SUFFIXES))
+        foreign: list[str] = []
+        orphans: list[str] = []
+        if rest:
+            with catalog.lock:
+                known = catalog.records.names()
+                odd = catalog.records.odd_names()
+            for name in rest:
+                if name in known and name not in odd and name.endswith(_SUFFIXES):
+                    continue  # an indexed chunk file (one replaced by something else: quarantined when read)
+                ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
+                regular = _is_file(catalog.chunks_fd, name)
+                if ours and name in known and not regular:
+                    continue  # an indexed file replaced by something else: quarantined when read
+                if not ours or not regular:
+                    foreign.append(name)
+                elif name not in known:
+                    orphans.append(name)
+            del known
         if foreign:
             shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
             raise StoreFormatError(
@@ -181,7 +188,7 @@ class StoreGC:
             else:  # named like ours but without our header: never deleted, moved aside
                 log.warning("unindexed file %s has no impress_cache header; moving it to %s/", name, QUARANTINE_DIR)
                 self._move_aside(name)
-        del known, foreign, orphans
+        del rest, foreign, orphans
         release_free_heap()  # the scan's names
 
     def _has_own_header(self, name: str) -> bool:
@@ -398,6 +405,14 @@ class Removal:
         c.prefixes_evicted += len(self.victims)
         c.files_evicted += len(self.dropped)
         c.disk_bytes_evicted += sum(rec.file_bytes for rec in self.dropped)
+
+
+def _is_file(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in the directory is a regular file (not following a link)."""
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:
