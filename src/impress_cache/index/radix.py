@@ -38,24 +38,33 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 _NO_CHILDREN: Mapping[int, RadixNode] = MappingProxyType({})
 
 
+_M32, _M48 = (1 << 32) - 1, (1 << 48) - 1
+
+
+def _pack(node_id: int, file_id: int, off: int, file_row: int, n: int) -> int:
+    """One int for a node's fixed fields: ``n`` and ``file_row`` (32 bits each), ``off``
+    and ``file_id + 1`` (48 bits each) and the id above them."""
+    if not (0 <= n <= _M32 and 0 <= file_row <= _M32 and 0 <= off <= _M48 and -1 <= file_id < _M48 and node_id >= 0):
+        raise ValueError(f"node {node_id}: values out of range (file {file_id}, rows {file_row}+{n}, offset {off})")
+    return (((((node_id << 48) | (file_id + 1)) << 48 | off) << 32 | file_row) << 32) | n
+
+
 class RadixNode:
     """One edge of the tree and the rows that hold its tokens' K/V.
 
-    Compact: the tokens are ``_n`` ids from ``_off`` on in a shared array (``tokens`` is
-    a view made when asked for), and a leaf has no children dict of its own.
+    Compact: the tokens are ``length`` ids from an offset on in a shared array
+    (``tokens`` is a view made when asked for); the id, file, first row, offset and
+    length are packed in one int (`_pack`: one object instead of five); a leaf has no
+    children dict of its own. ``parent`` and ``terminal`` change with the tree.
     """
 
-    __slots__ = ("id", "_buf", "_off", "_n", "file_id", "file_row", "parent", "_kids", "terminal")
+    __slots__ = ("_key", "_buf", "parent", "_kids", "terminal")
 
     def __init__(
         self, node_id: int, tokens: np.ndarray, file_id: int, file_row: int, parent: RadixNode | None, terminal: int = 0
     ) -> None:
-        self.id = node_id
+        self._key = _pack(node_id, file_id, 0, file_row, len(tokens))
         self._buf = tokens
-        self._off = 0
-        self._n = len(tokens)
-        self.file_id = file_id
-        self.file_row = file_row
         self.parent = parent
         self._kids: dict[int, RadixNode] | None = None
         #: number of stored sequences that end exactly at this node
@@ -68,15 +77,37 @@ class RadixNode:
     ) -> RadixNode:
         """A node whose tokens are ``buf[off : off + n]`` (no view made until asked)."""
         node = cls.__new__(cls)
-        node.id, node._buf, node._off, node._n = node_id, buf, off, n
-        node.file_id, node.file_row, node.parent, node._kids, node.terminal = file_id, file_row, parent, None, terminal
+        node._key, node._buf = _pack(node_id, file_id, off, file_row, n), buf
+        node.parent, node._kids, node.terminal = parent, None, terminal
         return node
+
+    @property
+    def id(self) -> int:
+        return self._key >> 160
+
+    @property
+    def file_id(self) -> int:
+        return ((self._key >> 112) & _M48) - 1
+
+    @property
+    def file_row(self) -> int:
+        return (self._key >> 32) & _M32
+
+    @property
+    def _off(self) -> int:
+        return (self._key >> 64) & _M48
+
+    @property
+    def _n(self) -> int:
+        return self._key & _M32
 
     @property
     def tokens(self) -> np.ndarray:
         """The node's token ids (a view; ``int32``, or ``uint16`` for nodes loaded from an
         index whose ids all fit)."""
-        return self._buf[self._off : self._off + self._n]
+        key = self._key
+        off = (key >> 64) & _M48
+        return self._buf[off : off + (key & _M32)]
 
     @property
     def children(self) -> Mapping[int, RadixNode]:
@@ -95,14 +126,14 @@ class RadixNode:
 
     @property
     def length(self) -> int:
-        return self._n
+        return self._key & _M32
 
     @property
     def depth(self) -> int:
         """Number of tokens from the root to the end of this node."""
         n, node = 0, self
         while node is not None:
-            n += node._n
+            n += node._key & _M32
             node = node.parent
         return n
 
@@ -174,8 +205,13 @@ class RadixTree:
         parents = nodes[:, 1]
         keys, first = np.unique(parents, return_index=True)
         bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
-        ids, fids, frows, lengths, terms = (nodes[:, c].tolist() for c in (0, 2, 3, 4, 5))
-        offs = offsets.tolist()
+        if len(nodes) and (
+            nodes[:, 0].min() < 0 or nodes[:, 2].min() < -1 or nodes[:, 2].max() >= _M48 or nodes[:, 3].min() < 0
+            or nodes[:, 3].max() > _M32 or nodes[:, 4].max() > _M32 or offsets.min() < 0 or offsets.max() > _M48
+        ):
+            raise ValueError("a node's values are out of range")
+        ids, lengths, terms = (nodes[:, c].tolist() for c in (0, 4, 5))
+        keys = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
         ints: dict[int, int] = {}  # one int object per first token (the children's keys)
         firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
         table, new = tree._nodes, RadixNode.__new__
@@ -191,8 +227,7 @@ class RadixTree:
                 if lengths[j] < 1 or node_id in table or tok in kids:
                     raise ValueError(f"node {node_id} cannot be placed below node {parent.id}")
                 node = new(RadixNode)
-                node.id, node._buf, node._off, node._n = node_id, buf, offs[j], lengths[j]
-                node.file_id, node.file_row, node.parent, node._kids, node.terminal = fids[j], frows[j], parent, None, terms[j]
+                node._key, node._buf, node.parent, node._kids, node.terminal = keys[j], buf, parent, None, terms[j]
                 kids[tok] = table[node_id] = node
                 stack.append(node)
         if len(table) != len(ids) + 1:
@@ -367,6 +402,21 @@ class RadixTree:
         if node_id in self._nodes:
             raise ValueError(f"node id {node_id} is already used")
         return node_id
+
+
+def _packed(ids: np.ndarray, file_ids: np.ndarray, offs: np.ndarray, rows: np.ndarray, ns: np.ndarray) -> list[int]:
+    """`_pack` of columns (checked in range), without Python arithmetic per node while the
+    ids fit in 32 bits: three 64-bit words per node, read as one int."""
+    if not len(ids) or ids.max() >= 1 << 32:
+        return [_pack(*v) for v in zip(ids.tolist(), file_ids.tolist(), offs.tolist(), rows.tolist(), ns.tolist())]
+    u = np.uint64
+    fid = (file_ids + 1).astype(u)
+    words = np.empty((len(ids), 3), "<u8")
+    words[:, 0] = (rows.astype(u) << u(32)) | ns.astype(u)
+    words[:, 1] = offs.astype(u) | ((fid & u(0xFFFF)) << u(48))
+    words[:, 2] = (fid >> u(16)) | (ids.astype(u) << u(32))
+    raw, fb = words.tobytes(), int.from_bytes
+    return [fb(raw[k : k + 24], "little") for k in range(0, len(raw), 24)]
 
 
 def _common_length(edge: np.ndarray, tokens: np.ndarray) -> int:

@@ -495,21 +495,29 @@ class Index:
         }
 
     def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        """Saved per-node statistics of nodes still in the index, as columns: node ids
-        (``int64``, increasing) and ``float64 [n, 6]`` of ``count, freq, share, age_s,
-        seq, saved_at`` (wall-clock seconds)."""
-        parts = [np.zeros((0, 7), np.float64)]
+        """Saved per-node statistics (a node's go with it: trigger ``node_removed``), as
+        columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
+        freq, share, age_s, seq, saved_at`` (wall-clock seconds). Rows are copied into
+        arrays sized up front, a chunk at a time (little transient memory)."""
         with self._lock, gc_paused():  # rows of plain values: no garbage cycles to look for
-            cur = self._conn.execute(
-                "SELECT s.node_id, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at FROM node_stats s "
-                "JOIN nodes n ON n.id = s.node_id ORDER BY s.node_id"
-            )
-            while rows := cur.fetchmany(4096):
-                parts.append(np.array(rows, dtype=np.float64).reshape(-1, 7))
+            own = not self._conn.in_transaction  # the count and the rows of one snapshot
+            if own:
+                self._conn.execute("BEGIN")
+            try:
+                (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
+                ids, data, k, block = np.empty(n, np.int64), np.empty((n, 6), np.float64), 0, None
+                cur = self._conn.execute(
+                    "SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id"
+                )
+                while rows := cur.fetchmany(2048):
+                    block = np.array(rows, dtype=np.float64).reshape(-1, 7)
+                    ids[k : k + len(rows)], data[k : k + len(rows)] = block[:, 0], block[:, 1:]
+                    k += len(rows)
+            finally:
+                if own:
+                    self._conn.execute("COMMIT")
             self._conn.execute("PRAGMA shrink_memory")
-        cols = np.concatenate(parts)
-        ids, data = cols[:, 0].astype(np.int64), np.ascontiguousarray(cols[:, 1:])
-        del parts, rows, cols
+        del rows, block
         release_free_heap()
         return ids, data
 

@@ -48,15 +48,14 @@ def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, 
 
 
 def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
-    """`rebase` of `Index.load_node_stats`'s columns: ``float64 [n, 6]`` of ``count,
-    freq, share, seq, freq_time, last_access``."""
-    down = np.maximum(0.0, time.time() - cols[:, 5])
-    out = np.empty((len(cols), 6), np.float64)
-    out[:, 0], out[:, 1], out[:, 3] = cols[:, 0], cols[:, 1], cols[:, 4]
-    out[:, 2] = np.clip(cols[:, 2], 0.0, 1.0)
-    out[:, 4] = now - down
-    out[:, 5] = now - down - cols[:, 3]
-    return out
+    """`rebase` of `Index.load_node_stats`'s columns, in place: ``float64 [n, 6]`` of
+    ``count, freq, share, seq, freq_time, last_access``."""
+    saved = now - np.maximum(0.0, time.time() - cols[:, 5])  # the save, on this clock
+    cols[:, 5] = saved - cols[:, 3]  # last access: age_s before it
+    cols[:, 3] = cols[:, 4]  # seq
+    cols[:, 4] = saved  # freq_time
+    np.clip(cols[:, 2], 0.0, 1.0, out=cols[:, 2])
+    return cols
 
 
 class StatsKeeper:
