@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -119,22 +119,55 @@ def check_record(rec: FileRecord) -> FileRecord:
 
 #: the scalar columns, in the order `FileTable.Builder.add` takes them
 _INT_COLUMNS = ("first_pos", "n_tokens", "chunk_tokens", "layers", "nbytes", "file_bytes")
-_DTYPES = {"first_pos": np.int32, "n_tokens": np.int32, "chunk_tokens": np.int32, "layers": np.int32}
 
 
-def _among(queries: np.ndarray, known: np.ndarray) -> np.ndarray:
-    """Which rows of ``queries`` (``uint8 [m, 16]``) are rows of ``known`` (``[n, 16]``):
-    by the first eight bytes (a sort and a binary search), then the other eight."""
-    q = np.ascontiguousarray(queries).view("<u8").reshape(-1, 2)
-    k = np.ascontiguousarray(known).view("<u8").reshape(-1, 2)
-    if not len(k) or not len(q):
-        return np.zeros(len(q), bool)
-    order = np.argsort(k[:, 0])
-    hi, lo = k[order, 0], k[order, 1]
-    if (hi[1:] == hi[:-1]).any():  # two files whose names share their first 16 hex digits
-        return np.isin(np.ascontiguousarray(queries).view("S16").ravel(), np.ascontiguousarray(known).view("S16").ravel())
-    i = np.minimum(np.searchsorted(hi, q[:, 0]), len(hi) - 1)
-    return (hi[i] == q[:, 0]) & (lo[i] == q[:, 1])
+def _dedupe(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of 32 bytes as ``(distinct rows, index of each row's)``: grouped by their
+    first eight bytes, then checked whole (kept as they are if two differ in the rest)."""
+    if not len(rows):
+        return rows.copy(), np.zeros(0, np.int64)
+    keys, index = np.unique(np.ascontiguousarray(rows).view("<u8")[:, 0], return_inverse=True)
+    first = np.empty(len(keys), np.int64)
+    first[index] = np.arange(len(rows))
+    table = rows[first]
+    if not (table[index] == rows).all():
+        return rows.copy(), _narrow(np.arange(len(rows)))
+    return table, _narrow(index.reshape(-1))
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """``a`` (integers) in the smallest of 1, 2, 4 and 8 bytes that holds its values (a
+    column of lengths, sizes or offsets usually fits in one to four)."""
+    if not len(a):
+        return a.astype(np.int64)
+    lo, hi = int(a.min()), int(a.max())
+    for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32):
+        info = np.iinfo(t)
+        if info.min <= lo and hi <= info.max:
+            return a.astype(t)
+    return a.astype(np.int64)
+
+
+class _Sorted:
+    """A set of 16-byte keys (``uint8 [n, 16]``) for vectorised lookups: sorted by their
+    first eight bytes (a binary search), then compared on the other eight."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self.keys = np.ascontiguousarray(keys)
+        k = self.keys.view("<u8").reshape(-1, 2)
+        order = np.argsort(k[:, 0])
+        self.hi, self.lo = k[order, 0], k[order, 1]
+        #: two keys share their first eight bytes: compared whole instead
+        self.clash = bool((self.hi[1:] == self.hi[:-1]).any())
+
+    def has(self, queries: np.ndarray) -> np.ndarray:
+        if not len(self.hi) or not len(queries):
+            return np.zeros(len(queries), bool)
+        if self.clash:
+            return np.isin(np.ascontiguousarray(queries).view("S16").ravel(), self.keys.view("S16").ravel())
+        q = np.ascontiguousarray(queries).view("<u8").reshape(-1, 2)
+        i = np.minimum(np.searchsorted(self.hi, q[:, 0]), len(self.hi) - 1)
+        return (self.hi[i] == q[:, 0]) & (self.lo[i] == q[:, 1])
 
 
 class FileTable:
@@ -238,15 +271,16 @@ class FileTable:
                 return table
             ids = np.concatenate([p[0] for p in self.parts])
             ints_all = np.concatenate([p[1] for p in self.parts], axis=1)
-            ints = {c: ints_all[k].astype(_DTYPES.get(c, np.int64)) for k, c in enumerate(_INT_COLUMNS)}
             tok_start = np.zeros(len(ids), np.int64)
-            np.cumsum(ints["n_tokens"][:-1], out=tok_start[1:])
+            np.cumsum(ints_all[1][:-1], out=tok_start[1:])
+            tok_start = _narrow(tok_start)
+            ints = {c: _narrow(ints_all[k]) for k, c in enumerate(_INT_COLUMNS)}
             tokens = self.tokens if self.used == len(self.tokens) else self.tokens[: self.used].copy()
             table._set_columns(
                 ids, ints, np.concatenate([p[6] for p in self.parts]),
                 np.concatenate([p[2] for p in self.parts]), np.concatenate([p[3] for p in self.parts]),
                 np.frombuffer(b"".join(p[4] for p in self.parts), np.uint8).reshape(-1, 16).copy(),
-                np.frombuffer(b"".join(p[5] for p in self.parts), np.uint8).reshape(-1, 32).copy(),
+                _dedupe(np.frombuffer(b"".join(p[5] for p in self.parts), np.uint8).reshape(-1, 32)),
                 tok_start, tokens, self.words, self.odd,
             )
             self.parts = []
@@ -255,8 +289,8 @@ class FileTable:
     def __init__(self) -> None:
         self._set_columns(
             np.zeros(0, np.int64), {c: np.zeros(0, np.int64) for c in _INT_COLUMNS}, np.zeros(0, bool),
-            np.zeros(0, np.uint8), np.zeros(0, np.uint8), np.zeros((0, 16), np.uint8), np.zeros((0, 32), np.uint8),
-            np.zeros(0, np.int64), np.zeros(0, np.int32), [], {},
+            np.zeros(0, np.uint8), np.zeros(0, np.uint8), np.zeros((0, 16), np.uint8),
+            (np.zeros((0, 32), np.uint8), np.zeros(0, np.int64)), np.zeros(0, np.int64), np.zeros(0, np.int32), [], {},
         )
 
     def _set_columns(self, ids, ints, reordered, fmt, suffix, uuid, context, tok_start, tokens, words, odd) -> None:
@@ -266,7 +300,9 @@ class FileTable:
         self._fmt = fmt
         self._suffix = suffix
         self._uuid = uuid
-        self._context = context
+        #: the distinct context digests and each file's (files that extend one shared
+        #: prefix, e.g. a system prompt, have the same one)
+        self._contexts, self._context_of = context
         self._tok_start = tok_start
         #: token ids of every file in the columns, one after the other (read-only: records
         #: and tree nodes are views of it, and a write through one would change the others)
@@ -301,7 +337,7 @@ class FileTable:
         if tokens.dtype != np.int32:
             tokens = tokens.astype(np.int32)
         return FileRecord(
-            fid, name, self._words[self._fmt[i]], *ints, tokens, self._context[i].tobytes(), bool(self._reordered[i])
+            fid, name, self._words[self._fmt[i]], *ints, tokens, self._contexts[self._context_of[i]].tobytes(), bool(self._reordered[i])
         )
 
     def get(self, file_id: int, default: FileRecord | None = None) -> FileRecord | None:
@@ -360,35 +396,41 @@ class FileTable:
         out.update(f"{hexes[32 * j : 32 * j + 32]}.{words[c]}" for j, c in enumerate(self._suffix[rows].tolist()))
         return out
 
-    def unlisted(self, names: list[str], suffixes: tuple[str, ...]) -> list[str]:
-        """The entries of a directory listing ``names`` that are not the name of a file
-        held in the columns in the standard form (32 lowercase hex digits, a dot and its
-        suffix, one of ``suffixes``): usually none. Records added since the load and odd
-        names are never matched. Vectorised: no string per file is made."""
+    def unlisted(self, batches: Iterable[list[str]], suffixes: tuple[str, ...]) -> list[str]:
+        """The entries of a directory listing (given in ``batches`` of names) that are not
+        the name of a file held in the columns in the standard form (32 lowercase hex
+        digits, a dot and its suffix, one of ``suffixes``): usually none. Records added
+        since the load and odd names are never matched. Vectorised: no string per file
+        is made, and a batch's names are dropped before the next is listed."""
         rows = np.flatnonzero(self._alive)
         if self._odd:
             rows = rows[~np.isin(self._ids[rows], np.fromiter(self._odd, np.int64, len(self._odd)))]
-        lengths = np.fromiter(map(len, names), np.int64, len(names))
-        matched = np.zeros(len(names), bool)
-        for word in suffixes:
-            code = self._words.index(word) if word in self._words else -1
-            at = np.flatnonzero(lengths == 33 + len(word))
-            if code < 0 or not len(at):
-                continue
-            group = [names[i] for i in at.tolist()]
-            ascii_ = np.fromiter(map(str.isascii, group), bool, len(group))
-            if not ascii_.all():  # (not a name of ours)
-                at, group = at[ascii_], [g for g, a in zip(group, ascii_.tolist()) if a]
+        known = {
+            w: _Sorted(self._uuid[rows[self._suffix[rows] == self._words.index(w)]])
+            for w in suffixes if w in self._words
+        }
+        out: list[str] = []
+        for names in batches:
+            lengths = np.fromiter(map(len, names), np.int64, len(names))
+            matched = np.zeros(len(names), bool)
+            for word, table in known.items():
+                at = np.flatnonzero(lengths == 33 + len(word))
+                group = [names[i] for i in at.tolist()]
+                ascii_ = np.fromiter(map(str.isascii, group), bool, len(group))
+                if not ascii_.all():  # (not a name of ours)
+                    at, group = at[ascii_], [g for g, a in zip(group, ascii_.tolist()) if a]
                 if not group:
                     continue
-            raw = "".join(group).encode("ascii")
-            chars = np.frombuffer(raw, np.uint8).reshape(len(group), 33 + len(word))
-            nibbles = _HEX[chars[:, :32]]
-            ok = (nibbles < 16).all(axis=1) & (chars[:, 32] == ord(".")) & (chars[:, 33:] == np.frombuffer(word.encode(), np.uint8)).all(axis=1)
-            uuids = (nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).astype(np.uint8)
-            ok &= _among(uuids, self._uuid[rows[self._suffix[rows] == code]])
-            matched[at[ok]] = True
-        return [names[i] for i in np.flatnonzero(~matched).tolist()]
+                chars = np.frombuffer("".join(group).encode("ascii"), np.uint8).reshape(len(group), 33 + len(word))
+                nibbles = _HEX[chars[:, :32]]
+                ok = (
+                    (nibbles < 16).all(axis=1) & (chars[:, 32] == ord("."))
+                    & (chars[:, 33:] == np.frombuffer(word.encode(), np.uint8)).all(axis=1)
+                )
+                ok &= table.has((nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).astype(np.uint8))
+                matched[at[ok]] = True
+            out += [names[i] for i in np.flatnonzero(~matched).tolist()]
+        return out
 
     def odd_names(self) -> set[str]:
         """The names that are not 32 lowercase hex digits, a dot and a short suffix (and

@@ -185,12 +185,71 @@ class InsertPlan:
     terminal: RadixNode | None
 
 
+class _NodeTable:
+    """Nodes by id: those the tree was loaded with as two columns (their ids, sorted, and
+    the nodes; a removed one leaves ``None``), those added since in a dict. No int
+    object and dict entry per loaded node."""
+
+    __slots__ = ("_ids", "_objs", "_loaded", "_more")
+
+    def __init__(self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None) -> None:
+        self._ids = np.zeros(0, np.int64) if ids is None else ids
+        self._objs: list[RadixNode | None] = [] if objs is None else objs
+        self._loaded = len(self._objs)
+        self._more = more
+
+    def _at(self, node_id: int) -> int:
+        ids = self._ids
+        if not len(ids) or not int(ids[0]) <= node_id <= int(ids[-1]):
+            return -1
+        i = int(ids.searchsorted(node_id))
+        return i if ids[i] == node_id else -1
+
+    def get(self, node_id: int) -> RadixNode | None:
+        node = self._more.get(node_id)
+        if node is None and len(self._ids):
+            i = self._at(node_id)
+            return self._objs[i] if i >= 0 else None
+        return node
+
+    def __contains__(self, node_id: int) -> bool:
+        return self.get(node_id) is not None
+
+    def __getitem__(self, node_id: int) -> RadixNode:
+        node = self.get(node_id)
+        if node is None:
+            raise KeyError(node_id)
+        return node
+
+    def __setitem__(self, node_id: int, node: RadixNode) -> None:
+        self._more[node_id] = node  # (a new id: ids are never used twice)
+
+    def __delitem__(self, node_id: int) -> None:
+        if self._more.pop(node_id, None) is None:
+            i = self._at(node_id)
+            if i < 0 or self._objs[i] is None:
+                raise KeyError(node_id)
+            self._objs[i] = None
+            self._loaded -= 1
+
+    def __len__(self) -> int:
+        return self._loaded + len(self._more)
+
+    def values(self) -> Iterator[RadixNode]:
+        yield from (n for n in self._objs if n is not None)
+        yield from list(self._more.values())
+
+    def max_id(self) -> int:
+        last = next((n for n in reversed(self._objs) if n is not None), None)  # (sorted by id)
+        return max([*([last.id] if last is not None else []), *self._more])
+
+
 class RadixTree:
     """A token-prefix tree whose nodes point at rows of chunk files."""
 
     def __init__(self) -> None:
         self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
-        self._nodes: dict[int, RadixNode] = {0: self.root}
+        self._nodes = _NodeTable({0: self.root})
 
     @classmethod
     def from_columns(cls, nodes: np.ndarray, offsets: np.ndarray, buf: np.ndarray) -> RadixTree:
@@ -206,15 +265,23 @@ class RadixTree:
         keys, first = np.unique(parents, return_index=True)
         bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
         if len(nodes) and (
-            nodes[:, 0].min() < 0 or nodes[:, 2].min() < -1 or nodes[:, 2].max() >= _M48 or nodes[:, 3].min() < 0
-            or nodes[:, 3].max() > _M32 or nodes[:, 4].max() > _M32 or offsets.min() < 0 or offsets.max() > _M48
+            nodes[:, 0].min() < 1 or nodes[:, 2].min() < -1 or nodes[:, 2].max() >= _M48 or nodes[:, 3].min() < 0
+            or nodes[:, 3].max() > _M32 or nodes[:, 4].min() < 1 or nodes[:, 4].max() > _M32 or offsets.min() < 0
+            or offsets.max() > _M48
         ):
             raise ValueError("a node's values are out of range")
-        ids, lengths, terms = (nodes[:, c].tolist() for c in (0, 4, 5))
-        keys = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
+        by_id = np.argsort(nodes[:, 0], kind="stable")
+        ids = nodes[by_id, 0]
+        if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
+            raise ValueError(f"node id {int(ids[1:][ids[1:] == ids[:-1]][0])} is used twice")
+        rank = np.empty(len(ids), np.int64)
+        rank[by_id] = np.arange(len(ids))
+        ranks, terms = rank.tolist(), nodes[:, 5].tolist()
+        packed = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
         ints: dict[int, int] = {}  # one int object per first token (the children's keys)
         firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
-        table, new = tree._nodes, RadixNode.__new__
+        objs: list[RadixNode | None] = [None] * len(ids)
+        new, placed = RadixNode.__new__, 0
         stack = [tree.root]
         while stack:  # parents before their children
             parent = stack.pop()
@@ -223,15 +290,17 @@ class RadixTree:
                 continue
             kids = parent._own_children()
             for j in range(*span):
-                node_id, tok = ids[j], firsts[j]
-                if lengths[j] < 1 or node_id in table or tok in kids:
-                    raise ValueError(f"node {node_id} cannot be placed below node {parent.id}")
+                tok = firsts[j]
+                if tok in kids:
+                    raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {parent.id}")
                 node = new(RadixNode)
-                node._key, node._buf, node.parent, node._kids, node.terminal = keys[j], buf, parent, None, terms[j]
-                kids[tok] = table[node_id] = node
+                node._key, node._buf, node.parent, node._kids, node.terminal = packed[j], buf, parent, None, terms[j]
+                kids[tok] = objs[ranks[j]] = node
                 stack.append(node)
-        if len(table) != len(ids) + 1:
-            raise ValueError(f"{len(ids) + 1 - len(table)} node(s) have no parent")
+                placed += 1
+        if placed != len(ids):
+            raise ValueError(f"{len(ids) - placed} node(s) have no parent")
+        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if len(ids) and ids[-1] < 1 << 32 else ids, objs)
         return tree
 
     # -- queries ---------------------------------------------------------------------
@@ -254,7 +323,7 @@ class RadixTree:
 
     def leaf_ids(self) -> list[int]:
         """Ids of the nodes without children (the root excepted), in no order."""
-        return [i for i, n in self._nodes.items() if not n._kids and i != 0]
+        return [n.id for n in self._nodes.values() if not n._kids and n.parent is not None]
 
     def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:
         """Longest stored prefix of ``tokens`` (at most ``limit`` tokens)."""
@@ -321,7 +390,7 @@ class RadixTree:
         return None
 
     def _next_id(self) -> int:
-        return max(self._nodes) + 1
+        return self._nodes.max_id() + 1
 
     def split(self, node: RadixNode, k: int, upper_id: int, lower_id: int) -> tuple[RadixNode, RadixNode]:
         """Replace ``node`` by an upper node (its first ``k`` tokens) and a lower node (the

@@ -366,19 +366,12 @@ class Index:
             release_free_heap()
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
-        with self._lock:
-            own = not self._conn.in_transaction  # one snapshot of both tables
-            if own:
-                self._conn.execute("BEGIN")
-            try:
-                files = self._load_files()
-                cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
-                parts = [np.zeros((0, 6), np.int64)]
-                while rows := cur.fetchmany(4096):
-                    parts.append(np.array(rows, dtype=np.int64).reshape(-1, 6))
-            finally:
-                if own:
-                    self._conn.execute("COMMIT")
+        with self._lock, _snapshot(self._conn):  # one snapshot of both tables
+            files = self._load_files()
+            cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
+            parts = [np.zeros((0, 6), np.int64)]
+            while rows := cur.fetchmany(4096):
+                parts.append(np.array(rows, dtype=np.int64).reshape(-1, 6))
         nodes = np.concatenate(parts)
         del parts, rows
         found, n_tokens, start = files.rows_of(nodes[:, 2])
@@ -486,8 +479,8 @@ class Index:
         """Saved per-node importance: ``node -> (scores float32, requests, pending, saved_at)``."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT node_id, layers, length, scores, requests, pending, saved_at FROM node_importance "
-                "WHERE node_id IN (SELECT id FROM nodes)"
+                "SELECT i.node_id, i.layers, i.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
+                "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
             ).fetchall()
         return {
             r[0]: (np.frombuffer(r[3], dtype="<f2").reshape(r[1], r[2]).astype(np.float32), r[4], r[5], r[6])
@@ -499,23 +492,16 @@ class Index:
         columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
         freq, share, age_s, seq, saved_at`` (wall-clock seconds). Rows are copied into
         arrays sized up front, a chunk at a time (little transient memory)."""
-        with self._lock, gc_paused():  # rows of plain values: no garbage cycles to look for
-            own = not self._conn.in_transaction  # the count and the rows of one snapshot
-            if own:
-                self._conn.execute("BEGIN")
-            try:
+        # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
+        with self._lock, gc_paused():
+            with _snapshot(self._conn):
                 (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
                 ids, data, k, block = np.empty(n, np.int64), np.empty((n, 6), np.float64), 0, None
-                cur = self._conn.execute(
-                    "SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id"
-                )
+                cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
                 while rows := cur.fetchmany(2048):
                     block = np.array(rows, dtype=np.float64).reshape(-1, 7)
                     ids[k : k + len(rows)], data[k : k + len(rows)] = block[:, 0], block[:, 1:]
                     k += len(rows)
-            finally:
-                if own:
-                    self._conn.execute("COMMIT")
             self._conn.execute("PRAGMA shrink_memory")
         del rows, block
         release_free_heap()
@@ -530,6 +516,19 @@ _DECODING = {
 for _name, _fn in list(vars(Index).items()):
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
         setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
+
+
+@contextmanager
+def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """One read snapshot meanwhile (a read transaction, unless one is open already)."""
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        if own:
+            conn.execute("COMMIT")
 
 
 def _has_meta(conn: sqlite3.Connection) -> bool:

@@ -9,6 +9,7 @@ a request of this process is unlinked when the lease is released.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import os
 import stat
@@ -155,7 +156,9 @@ class StoreGC:
         with catalog.lock:
             catalog.refresh()
             # every name but those of indexed files in the standard form (usually none)
-            rest = catalog.records.unlisted(os.listdir(catalog.chunks_fd), tuple(x[1:] for x in _SUFFIXES))
+            with os.scandir(catalog.chunks_fd) as entries:
+                batches = iter(lambda: [e.name for e in itertools.islice(entries, 4096)], [])
+                rest = catalog.records.unlisted(batches, tuple(x[1:] for x in _SUFFIXES))
         foreign: list[str] = []
         orphans: list[str] = []
         if rest:

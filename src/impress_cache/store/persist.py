@@ -50,11 +50,14 @@ def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, 
 def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
     """`rebase` of `Index.load_node_stats`'s columns, in place: ``float64 [n, 6]`` of
     ``count, freq, share, seq, freq_time, last_access``."""
-    saved = now - np.maximum(0.0, time.time() - cols[:, 5])  # the save, on this clock
-    cols[:, 5] = saved - cols[:, 3]  # last access: age_s before it
-    cols[:, 3] = cols[:, 4]  # seq
-    cols[:, 4] = saved  # freq_time
-    np.clip(cols[:, 2], 0.0, 1.0, out=cols[:, 2])
+    wall = time.time()
+    for k in range(0, len(cols), 4096):  # a block at a time: small temporaries
+        c = cols[k : k + 4096]
+        saved = now - np.maximum(0.0, wall - c[:, 5])  # the save, on this clock
+        c[:, 5] = saved - c[:, 3]  # last access: age_s before it
+        c[:, 3] = c[:, 4]  # seq
+        c[:, 4] = saved  # freq_time
+        np.clip(c[:, 2], 0.0, 1.0, out=c[:, 2])
     return cols
 
 
