@@ -232,7 +232,7 @@ class FileTable:
             self.tokens[self.used : self.used + len(tokens)] = tokens
             self.used += len(tokens)
             self.parts.append((
-                ids, ints, np.fromiter(map(self._code, cols[2]), np.uint8, n), np.array(suffixes, np.uint8),
+                ids, ints, np.fromiter(map({f: self._code(f) for f in set(cols[2])}.__getitem__, cols[2]), np.uint8, n), np.array(suffixes, np.uint8),
                 uuids, b"".join(cols[10]), np.array(cols[11], bool),
             ))
 
