@@ -263,7 +263,7 @@ class RadixTree:
         nodes, offsets = nodes[order], offsets[order]
         parents = nodes[:, 1]
         keys, first = np.unique(parents, return_index=True)
-        bounds = dict(zip(keys.tolist(), zip(first.tolist(), np.append(first[1:], len(parents)).tolist())))
+        end = np.append(first[1:], len(parents))
         if len(nodes) and (
             nodes[:, 0].min() < 1 or nodes[:, 2].min() < -1 or nodes[:, 2].max() >= _M48 or nodes[:, 3].min() < 0
             or nodes[:, 3].max() > _M32 or nodes[:, 4].min() < 1 or nodes[:, 4].max() > _M32 or offsets.min() < 0
@@ -280,23 +280,26 @@ class RadixTree:
         packed = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
         ints: dict[int, int] = {}  # one int object per first token (the children's keys)
         firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
+        # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf)
+        k = np.minimum(np.searchsorted(keys, nodes[:, 0]), max(0, len(keys) - 1))
+        has = keys[k] == nodes[:, 0] if len(keys) else np.zeros(len(nodes), bool)
+        lo, hi = np.where(has, first[k], 0).tolist(), np.where(has, end[k], 0).tolist()
+        root = int(np.searchsorted(keys, 0)) if len(keys) else 0
         objs: list[RadixNode | None] = [None] * len(ids)
         new, placed = RadixNode.__new__, 0
-        stack = [tree.root]
+        stack = [(tree.root, first[root], end[root])] if len(keys) and keys[root] == 0 else []
         while stack:  # parents before their children
-            parent = stack.pop()
-            span = bounds.pop(parent.id, None)
-            if span is None:
-                continue
+            parent, a, b = stack.pop()
             kids = parent._own_children()
-            for j in range(*span):
+            for j in range(a, b):
                 tok = firsts[j]
                 if tok in kids:
                     raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {parent.id}")
                 node = new(RadixNode)
                 node._key, node._buf, node.parent, node._kids, node.terminal = packed[j], buf, parent, None, terms[j]
                 kids[tok] = objs[ranks[j]] = node
-                stack.append(node)
+                if lo[j] != hi[j]:
+                    stack.append((node, lo[j], hi[j]))
                 placed += 1
         if placed != len(ids):
             raise ValueError(f"{len(ids) - placed} node(s) have no parent")
