@@ -277,7 +277,7 @@ class FileTable:
             ints = {c: _narrow(ints_all[k]) for k, c in enumerate(_INT_COLUMNS)}
             tokens = self.tokens if self.used == len(self.tokens) else self.tokens[: self.used].copy()
             table._set_columns(
-                ids, ints, np.concatenate([p[6] for p in self.parts]),
+                _narrow(ids) if ids[0] >= 0 else ids, ints, np.concatenate([p[6] for p in self.parts]),
                 np.concatenate([p[2] for p in self.parts]), np.concatenate([p[3] for p in self.parts]),
                 np.frombuffer(b"".join(p[4] for p in self.parts), np.uint8).reshape(-1, 16).copy(),
                 _dedupe(np.frombuffer(b"".join(p[5] for p in self.parts), np.uint8).reshape(-1, 32)),
@@ -321,10 +321,10 @@ class FileTable:
     def _row(self, file_id: int) -> int:
         """Row of a live file in the columns, or -1."""
         ids = self._ids
+        if not len(ids) or not int(ids[0]) <= file_id <= int(ids[-1]):
+            return -1
         i = int(np.searchsorted(ids, file_id))
-        if i < len(ids) and ids[i] == file_id and self._alive[i]:
-            return i
-        return -1
+        return i if ids[i] == file_id and self._alive[i] else -1
 
     def _materialise(self, i: int) -> FileRecord:
         fid = int(self._ids[i])

@@ -69,7 +69,9 @@ class NodeValues:
             i = int(np.flatnonzero(bad)[0])
             self._install_row(int(ids[i]), cols[i])  # the policy names what is wrong
         with self._lock:
-            self._saved_ids, self._saved = ids, cols
+            # (ids in four bytes while they fit: searched, never changed)
+            self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
+            self._saved = cols
             self._waiting = np.ones(len(ids), bool)
             if len(ids):  # the newest one now: later accesses count as more recent than all
                 self._take(int(ids[int(np.argmax(cols[:, 3]))]))
