@@ -32,7 +32,7 @@ from ..errors import ImpressError, StoreLimitError
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
-from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
+from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, disk_bytes, file_seed, iter_blocks, tensor_bytes
 from .activity import Activity
 from .binding import ProbeSpec
 from .catalog import Catalog
@@ -261,7 +261,7 @@ class PromptWriter:
                 else:
                     offsets[PROBE, blk.layer] = off + np.arange(nb) * ct * self._probe.record_bytes
             st = os.stat(tmp, dir_fd=catalog.chunks_fd)
-            file_bytes = max(st.st_size, st.st_blocks * 512)  # what the file takes on disk
+            file_bytes = disk_bytes(st)
             publish(catalog.chunks_fd, tmp, name, self._config.fsync)
         except BaseException:
             catalog.unlink(tmp)

@@ -385,14 +385,16 @@ class RemoteTier:
 
     # -- life cycle ----------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for pending uploads (each ends uploaded or dropped within ``remote_retry_s``)."""
+        """Wait for pending uploads (each ends uploaded or dropped within ``remote_retry_s``)
+        and write the sidecars of linked files filled since their last save."""
         while True:
             with self._pending_lock:
                 pending, self._pending = self._pending, []
             if not pending:
-                return
+                break
             for f in pending:
                 f.result()
+        self.files.save()
 
     def close(self) -> None:
         self.flush()
