@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_model
 from helpers import assert_same_as_uncached, run
-from impress_cache import CorruptBlockError, ImpressCache, ImpressStore
+from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.storage.base import KV
 from impress_cache.store.remote import lazy
 from test_remote_hardening import SPARSE, _load_all
@@ -145,3 +145,21 @@ def test_a_fill_whose_local_write_fails_marks_nothing(bucket, tmp_path, monkeypa
         got = _load_all(p, doc)
         assert p.stats()["quarantined_files"] == 0
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_an_object_of_another_header_version_is_refused(tmp_path):
+    """Objects are read by the one header reader the repair uses (`store/header.py`), with
+    its version check: a chunk file of another header version is not linked."""
+    from impress_cache.store.remote.objects import BadObject, namespace, parse_object
+
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0, fsync=False)) as s:
+        assert_same_as_uncached(model, s, doc)
+        (f,) = (tmp_path / "chunks").iterdir()
+        data = f.read_bytes()
+        args = (namespace(s.spec, s.probe), s.spec, s.probe, s._catalog._row_bytes)
+    assert parse_object(data, None, *args).new_file.name == f.name
+    other = data.replace(b'"impress_cache":"3"', b'"impress_cache":"4"', 1)
+    assert other != data
+    with pytest.raises(BadObject, match="version"):
+        parse_object(other, None, *args)

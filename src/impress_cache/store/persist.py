@@ -29,27 +29,16 @@ from .values import NodeValues
 log = logging.getLogger(__name__)
 
 
-def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
-    """Saved records (``saved_at`` wall-clock seconds, ``age_s``) as policy records on a
-    clock reading ``now``: the time the store was closed counts as idle time."""
-    wall = time.time()
-    out: dict[Any, dict[str, Any]] = {}
-    for key, rec in rows:
-        down = max(0.0, wall - float(rec["saved_at"]))
-        out[key] = {
-            "count": rec["count"],
-            "freq": rec["freq"],
-            "share": min(1.0, max(0.0, float(rec["share"]))),
-            "seq": rec["seq"],
-            "freq_time": now - down,
-            "last_access": now - down - float(rec["age_s"]),
-        }
-    return out
+#: the fields of a saved record (`Index.load_block_stats`; the columns of
+#: `Index.load_node_stats`), and of a policy record on the store's clock
+SAVED = ("count", "freq", "share", "age_s", "seq", "saved_at")
+POLICY = ("count", "freq", "share", "seq", "freq_time", "last_access")
 
 
 def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
-    """`rebase` of `Index.load_node_stats`'s columns: ``float64 [n, 6]`` of ``count,
-    freq, share, seq, freq_time, last_access``."""
+    """Saved records as policy records on a clock reading ``now``: the time the store
+    was closed counts as idle time. ``cols``: ``float64 [n, 6]`` of the `SAVED` fields;
+    returns ``float64 [n, 6]`` of the `POLICY` fields."""
     down = np.maximum(0.0, time.time() - cols[:, 5])
     out = np.empty((len(cols), 6), np.float64)
     out[:, 0], out[:, 1], out[:, 3] = cols[:, 0], cols[:, 1], cols[:, 4]
@@ -57,6 +46,15 @@ def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
     out[:, 4] = now - down
     out[:, 5] = now - down - cols[:, 3]
     return out
+
+
+def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
+    """`rebase_columns` of saved records given as ``(key, record)`` pairs."""
+    rows = list(rows)
+    if not rows:
+        return {}
+    cols = rebase_columns(np.array([[float(rec[k]) for k in SAVED] for _, rec in rows], np.float64), now)
+    return {key: dict(zip(POLICY, vals)) for (key, _), vals in zip(rows, cols.tolist())}
 
 
 class StatsKeeper:
