@@ -259,14 +259,17 @@ class RemoteFiles:
         for local, lz in todo:
             with lz.lock:
                 if lz.unsaved:
-                    self._save(local, lz, None)
+                    self._save_quietly(local, lz, None)
 
     def close(self) -> None:
-        try:
-            self.save()
-        except OSError as exc:  # the ranges are fetched again by whoever reads them next
-            log.warning("could not save the remote tier's sidecars: %s", exc)
+        self.save()
         os.close(self._dir_fd)
+
+    def _save_quietly(self, local: str, lz: _Lazy, fd: int | None) -> None:
+        try:
+            self._save(local, lz, fd)
+        except OSError as exc:  # the blocks are here: a later save lists them, or they are fetched again
+            log.warning("could not save the sidecar of the linked file %s: %s", local, exc)
 
     def _save(self, local: str, lz: _Lazy, fd: int | None) -> None:
         """Write ``lz``'s sidecar (under ``lz.lock``), after flushing the file's data
@@ -343,7 +346,7 @@ class RemoteFiles:
                 lz.add(todo)  # this process reads them now (page cache); the sidecar waits
                 lz.unsaved = True
                 if lz.complete() or time.monotonic() - lz.saved_at >= SAVE_EVERY_S:
-                    self._save(local, lz, fd)
+                    self._save_quietly(local, lz, fd)
             finally:
                 os.close(fd)
             self._on_fetch(len(todo), sum(b - a for a, b in todo))
