@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import resource
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +23,7 @@ from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, Impres
 from impress_cache.storage.base import KV
 from impress_cache.store.remote import lazy
 from test_remote_hardening import SPARSE, _load_all
-from test_remote_tier import _cfg, _doc
+from test_remote_tier import TESTS, _cfg, _doc
 
 
 def _sidecar(d: Path, name: str) -> list[list[int]] | None:
@@ -108,6 +111,59 @@ def test_fills_mark_ranges_in_memory_and_the_sidecar_follows_in_batches(bucket, 
         assert p.stats()["remote"]["ranges_fetched"] > fetched
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert _sidecar(d, name) is not None  # probe pieces are not all here: still linked
+
+
+_KILLED_HOST = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import VOCAB, tiny_model
+    from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+    from impress_cache.hf.compat import CACHE_KWARG
+    from impress_cache.store.remote import lazy
+    lazy.MAX_RANGES, lazy.SAVE_EVERY_S = 1000, 1e9
+    g = torch.Generator()
+    doc = torch.randint(3, VOCAB, (1, 150), generator=g.manual_seed(0))
+    ask = torch.cat([doc, torch.randint(3, VOCAB, (1, 8), generator=g.manual_seed(9))], dim=1)
+    model = tiny_model()
+    store = ImpressStore(sys.argv[1], model, ImpressConfig(**json.loads(sys.argv[2])))
+    model.generate(ask, max_new_tokens=1, do_sample=False, **{{CACHE_KWARG: ImpressCache(store)}})
+    print(json.dumps(store.stats()["remote"]), flush=True)
+    sys.stdin.read()  # killed here: filled, the sidecar not saved since the link
+    """
+)
+
+
+def test_a_process_killed_after_its_fills_leaves_a_sidecar_listing_less(bucket, tmp_path):
+    """A process links a document, fills the blocks its sparse request selects and is
+    killed (SIGKILL) before it saves the sidecar: the sidecar lists the header only; the
+    next process fetches the blocks again and reads the K/V of the host that wrote them,
+    nothing quarantined."""
+    doc = _doc()
+    server, prefix, model, want = _stored_on_a(bucket, tmp_path, doc)
+    cfg = _cfg(server, prefix, **SPARSE)
+    args = {k: getattr(cfg, k) for k in ("chunk_tokens", "fsync", "remote", "remote_options")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_HOST.format(tests=str(TESTS)), str(tmp_path / "s"), json.dumps({**args, **SPARSE})],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:]
+        assert json.loads(line)["ranges_fetched"] >= 1
+    finally:
+        proc.kill()
+        proc.wait(60)
+        proc.stdin.close()
+        proc.stdout.close()
+        proc.stderr.close()
+    with ImpressStore(tmp_path / "s", model, _cfg(server, prefix)) as s:
+        fid, name = _doc_file(s, doc)
+        lz = s._remote.files._get(name)
+        assert _sidecar(tmp_path / "s", name) == [[0, lz.data_start]] and lz.present == [(0, lz.data_start)]
+        got = _load_all(s, doc)
+        assert s.stats()["quarantined_files"] == 0 and s.stats()["remote"]["ranges_fetched"] >= 1
+    assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 def test_a_fill_whose_local_write_fails_marks_nothing(bucket, tmp_path, monkeypatch):
