@@ -33,6 +33,7 @@ from ..store.leases import PrefixLease
 from ..store.store import ImpressStore
 from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
+from .reselect import reselects
 from .sparse import SparsePrefill
 
 #: matches a request tries when a matched file went before it was leased
@@ -133,7 +134,7 @@ class PrefixRequest:
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
         if k < reused:
-            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats)
+            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats, keep_raw=reselects(store.config))
             self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room, self)
         else:
             self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats)
