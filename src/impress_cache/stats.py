@@ -37,7 +37,9 @@ class RequestStats:
     ``reselections`` counts layer re-selections while decoding (``keep_reselect``), in
     ``reselect_seconds`` (scoring, reads and copies).
     ``refreshed_tokens`` counts new tokens whose K/V were computed again against the
-    whole prefix (``refresh_new_tokens``), in ``refresh_seconds``.
+    whole prefix (``refresh_new_tokens``; with ``decode="keep"`` and ``keep_reselect``,
+    against the rows re-selected before the first decode step), in ``refresh_seconds``
+    (which also holds the uncertainty guard's wider step, ``guard_ratio``).
     ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
     (summed over batch rows). ``bytes_unattended_rows`` is the part of the K/V blocks
     read from disk for the prefill that no attention head attends to (from each block's

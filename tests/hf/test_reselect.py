@@ -29,20 +29,25 @@ def _prompts(tmp_path, model, padded):
 
 
 def _generate(tmp_path, model, ids, mask, **cfg):
+    """The cache, the tokens and the request's `Reselector` (``generate`` drops it when it
+    returns, with the lease: nothing is read after that)."""
     with ImpressStore(tmp_path, model, ImpressConfig(**cfg)) as store:
         cache = ImpressCache(store, ids, attention_mask=mask)
+        sparse = cache._request.sparse
+        reselector = sparse.reselector if sparse is not None else None
         seq, _ = run(model, ids, mask, cache, new_tokens=NEW)
-    return cache, seq
+        assert sparse is None or sparse.reselector is None  # dropped at the end of generate
+        assert cache._request._lease is None
+    return cache, seq, reselector
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one", "padded"])
 def test_reselected_rows_are_the_stored_rows_of_the_chosen_positions(tmp_path, padded):
     model = tiny_model("llama", "sdpa")
     ids, mask = _prompts(tmp_path, model, padded)
-    dense, _ = _generate(tmp_path, model, ids, mask, chunk_tokens=16, important_ratio=1.0)
-    cache, seq = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=1)
+    dense, _, _ = _generate(tmp_path, model, ids, mask, chunk_tokens=16, important_ratio=1.0)
+    cache, seq, reselector = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=1)
     sparse = cache._request.sparse
-    reselector = sparse.reselector
     assert reselector is not None
     k, reused, layers = sparse.k, cache.reused_tokens, len(cache.layers)
     s = cache.stats
@@ -73,11 +78,11 @@ def test_reselected_rows_are_the_stored_rows_of_the_chosen_positions(tmp_path, p
 def test_reselect_every_n_tokens_and_off(tmp_path):
     model = tiny_model("llama", "sdpa")
     ids, mask = _prompts(tmp_path, model, False)
-    every2, _ = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=2)
+    every2, _, _ = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=2)
     layers = len(every2.layers)
     assert every2.stats.reselections == layers * (1 + (NEW - 1) // 2)  # the refresh, then steps 2, 4, ...
-    off, _ = _generate(tmp_path, model, ids, mask, **KEEP)
+    off, _, none = _generate(tmp_path, model, ids, mask, **KEEP)
     assert off.stats.reselections == 0 and off.stats.bytes_read_decode == 0
-    assert off._request.sparse.reselector is None
-    full, _ = _generate(tmp_path, model, ids, mask, **{**KEEP, "decode": "full"}, keep_reselect=1)
+    assert none is None
+    full, _, _ = _generate(tmp_path, model, ids, mask, **{**KEEP, "decode": "full"}, keep_reselect=1)
     assert full.stats.reselections == 0  # decode="full" holds the whole prefix: nothing to re-select

@@ -20,19 +20,22 @@ attention mask hides.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..errors import CacheUsageError
+from ..errors import CacheUsageError, CorruptBlockError, StoreFormatError, StoreIOError
 from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
 from .refresh import recompute_new_tokens
 from .request import PrefixRequest
+
+log = logging.getLogger(__name__)
 
 
 class ImpressLayer(DynamicLayer):
@@ -258,7 +261,8 @@ class ImpressCache(Cache):
     @property
     def selections(self) -> dict[int, dict[int, torch.Tensor]]:
         """Sparse prefill: ``selections[layer][batch_row]`` = prefix positions attended
-        (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``)."""
+        (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``): the
+        prefill's choice (``keep_reselect`` changes the rows held while decoding)."""
         sparse = self._request.sparse if self._request is not None else None
         return {} if sparse is None else sparse.selections
 
@@ -284,6 +288,15 @@ class ImpressCache(Cache):
             raise CacheUsageError(
                 "this ImpressCache already served a request; build a new ImpressCache for every generate call"
             )
+
+    def end_generate(self) -> None:
+        """``generate`` returned (or failed): a keep-mode request that re-selects rows while
+        decoding releases its lease and what it kept for that (a cache that ``generate``
+        never saw releases them when it is garbage-collected)."""
+        req = self._request
+        if req is not None and req.sparse is not None and req.sparse.reselector is not None:
+            req.end_decoding()
+        self._reselect_now = False
 
     def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """``generate`` shows the whole prompt (the forward only sees the tokens after the
@@ -368,7 +381,11 @@ class ImpressCache(Cache):
         if ratio is None or sparse is None or ratio <= self.store.config.important_ratio:
             return None
         t0 = time.perf_counter()
-        wide = sparse.load_wider(req.rows.tolist(), ratio)
+        try:
+            wide = sparse.load_wider(req.rows.tolist(), ratio)
+        except (CorruptBlockError, StoreIOError, StoreFormatError) as exc:  # the whole-prefix read recovers
+            log.info("the guard's wider read failed (%s); reading the whole prefix", exc)
+            return None
         if wide is None:
             return None
         prefix, held = wide

@@ -16,12 +16,14 @@ after RoPE, so replacing rows needs no change of positions or masks.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import ImpressConfig
+from ..errors import CorruptBlockError, StoreFormatError, StoreIOError
 from ..selection.modes import BASELINES
 from ..selection.scores import topk_indices, vote
 from ..selection.selectors import kept_rows, probe_scores
@@ -31,6 +33,8 @@ from .refresh import recompute_new_tokens
 
 if TYPE_CHECKING:
     from .sparse import SparsePrefill
+
+log = logging.getLogger(__name__)
 
 
 def reselects(config: ImpressConfig) -> bool:
@@ -48,6 +52,8 @@ class Reselector:
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         #: per layer: the new tokens' queries of the prefill (for `refresh`)
         self.question: dict[int, torch.Tensor] = {}
+        #: a read failed: the request keeps the rows it holds from then on
+        self.failed = False
 
     def refresh(self, layers: list[Any], model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, reused: int) -> None:
         """Before the first decode step: every layer's rows chosen again with the new
@@ -60,6 +66,8 @@ class Reselector:
             return
         for li, layer in enumerate(layers):
             self.reselect(li, self.question.pop(li), layer.keys[:, :, k:], layer.keys, layer.values)
+        if not sp.store.config.refresh_new_tokens:
+            return
         held = torch.zeros(layers[0].keys.shape[0], k, dtype=torch.long)
         for i in range(held.shape[0]):
             lay = sp.layouts[sp.row_of(i)]
@@ -77,12 +85,19 @@ class Reselector:
     def rows_changed(self, indices: torch.Tensor) -> None:
         """Running row ``j`` is now former row ``indices[j]``."""
         idx = indices.tolist()
+        for layer, chosen in self._sparse.selections.items():  # the prefill's rows, where not chosen again
+            held = self._held.setdefault(layer, {})
+            for i, rows in chosen.items():
+                held.setdefault(i, rows)
         for layer, rows in self._held.items():
             self._held[layer] = {j: rows[i] for j, i in enumerate(idx) if i in rows}
+        for layer, q in self.question.items():
+            self.question[layer] = q.index_select(0, indices.to(q.device))
 
     def held(self, layer_idx: int, i: int) -> torch.Tensor | None:
+        """The positions running row ``i`` holds in layer ``layer_idx``."""
         got = self._held.get(layer_idx, {}).get(i)
-        if got is None:
+        if got is None:  # not chosen again yet: the prefill's rows (`rows_changed` copies them)
             got = self._sparse.selections.get(layer_idx, {}).get(i)
         return got
 
@@ -92,7 +107,7 @@ class Reselector:
         ``queries`` ``[batch, q_heads, n, head_dim]`` and the new ``key_states``; the held
         rows ``keys[:, :, :k]`` / ``values[:, :, :k]`` are replaced in place."""
         sp = self._sparse
-        cfg, stats = sp.store.config, sp.stats
+        stats = sp.stats
         loader = sp.probes
         probes = None if loader is None or loader.raw is None else loader.raw.get(layer_idx)
         if probes is None:
@@ -102,57 +117,80 @@ class Reselector:
         # one token's rows per KV head where the probe copy holds every KV head (their
         # scores are known), else one shared set: never a whole-layer read per step
         every_head = list(sp.store.probe.kv_heads) == list(range(sp.store.spec.num_kv_heads))
+        done = 0
         for i in range(keys.shape[0]):
             src = sp.row_of(i)
             lay = sp.layouts[src]
             prev = self.held(layer_idx, i)
             raw = probes[src]
-            if lay is None or prev is None or raw is None or min(k, lay.length) == lay.length:
+            if self.failed or lay is None or prev is None or raw is None or min(k, lay.length) == lay.length:
                 continue
-            k_i = min(k, lay.length)
-            view = lay.at(layer_idx)
-            # the held rows, in place in a prefix-sized scratch; the rest read on demand
-            h = keys.shape[1]
-            sk = keys.new_zeros((h, lay.length, keys.shape[-1]))
-            sv = torch.zeros_like(sk)
-            present = torch.zeros(h, lay.length, dtype=torch.bool)
-            held_k, held_v = keys[i, :, k - k_i : k], values[i, :, k - k_i : k]
-            at = prev.expand(h, -1) if prev.dim() == 1 else prev
-            sk.scatter_(1, at.unsqueeze(-1).expand(-1, -1, sk.shape[-1]), held_k.to(sk.dtype))
-            sv.scatter_(1, at.unsqueeze(-1).expand(-1, -1, sv.shape[-1]), held_v.to(sv.dtype))
-            present.scatter_(1, at, True)
-
-            scores = probe_scores(queries[i], key_states[i], loader.decode(raw), sp.store.probe.kv_heads)
-            forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
-            if forced is not None:
-                scores[:, forced] += 1e9  # above every scored row, as in the prefill
-            rows = (topk_indices if every_head else vote)(scores.unsqueeze(0), k_i)[0]
-            _fill_missing(sp, lay, view, layer_idx, rows, sk, sv, present)
-            at = (rows.expand(h, -1) if rows.dim() == 1 else rows).unsqueeze(-1).expand(-1, -1, sk.shape[-1])
-            keys[i, :, k - k_i : k] = sk.gather(1, at).to(keys.dtype)
-            values[i, :, k - k_i : k] = sv.gather(1, at).to(values.dtype)
+            try:
+                rows = self._row(layer_idx, lay, min(k, lay.length), queries[i], key_states[i], loader.decode(raw),
+                                 prev, keys[i], values[i], every_head)
+            except (CorruptBlockError, StoreIOError, StoreFormatError) as exc:
+                # the rows held are still the stored K/V of their positions: keep them
+                self.failed = True
+                log.warning("re-selection stopped for this request, keeping the rows held: %s", exc)
+                if isinstance(exc, CorruptBlockError):
+                    try:
+                        sp.store.quarantine(exc.file_id, str(exc))
+                    except (StoreFormatError, StoreIOError) as err:
+                        log.warning("could not quarantine file %s: %s", exc.file_id, err)
+                continue
             self._held.setdefault(layer_idx, {})[i] = rows
-        stats.reselections += 1
-        stats.reselect_seconds += time.perf_counter() - t0
+            done += 1
+        if done:
+            stats.reselections += 1
+            stats.reselect_seconds += time.perf_counter() - t0
 
+    def _row(self, layer_idx: int, lay: PrefixLayout, k_i: int, queries: torch.Tensor, new_keys: torch.Tensor,
+             probe_keys: torch.Tensor, prev: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             every_head: bool) -> torch.Tensor:
+        """One batch row: score, read what is not held, write the new rows over the held
+        ones (``keys``/``values`` are the row's ``[kv_heads, k + ..., head_dim]``; nothing is
+        written if a read fails). Returns the positions now held."""
+        sp = self._sparse
+        cfg, k, dev = sp.store.config, sp.k, keys.device
+        view = lay.at(layer_idx)
+        # the held rows, in place in a prefix-sized scratch; the rest read on demand
+        h, d = keys.shape[0], keys.shape[-1]
+        sk = keys.new_zeros((h, lay.length, d))
+        sv = torch.zeros_like(sk)
+        present = torch.zeros(h, lay.length, dtype=torch.bool, device=dev)
+        at = (prev.expand(h, -1) if prev.dim() == 1 else prev).to(dev)
+        sk.scatter_(1, at.unsqueeze(-1).expand(-1, -1, d), keys[:, k - k_i : k])
+        sv.scatter_(1, at.unsqueeze(-1).expand(-1, -1, d), values[:, k - k_i : k])
+        present.scatter_(1, at, True)
+        scores = probe_scores(queries, new_keys, probe_keys, sp.store.probe.kv_heads)
+        forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
+        if forced is not None:
+            scores[:, forced] += 1e9  # above every scored row, as in the prefill
+        rows = (topk_indices if every_head else vote)(scores.unsqueeze(0), k_i)[0]
+        _fill_missing(sp, lay, view, layer_idx, rows, sk, sv, present)
+        at = (rows.expand(h, -1) if rows.dim() == 1 else rows).to(dev).unsqueeze(-1).expand(-1, -1, d)
+        keys[:, k - k_i : k] = sk.gather(1, at)
+        values[:, k - k_i : k] = sv.gather(1, at)
+        return rows
 
 def _fill_missing(sp: SparsePrefill, lay: PrefixLayout, view: LayerView, layer_idx: int, rows: torch.Tensor,
                   sk: torch.Tensor, sv: torch.Tensor, present: torch.Tensor) -> None:
     """Read the blocks holding selected ``rows`` (``[k]`` or ``[kv_heads, k]``) that a head
     does not hold yet into the scratch ``sk``/``sv`` (every head of those blocks' rows)."""
-    at = rows.expand(present.shape[0], -1) if rows.dim() == 1 else rows
-    need = torch.zeros(present.shape[1], dtype=torch.bool)
+    at = (rows.expand(present.shape[0], -1) if rows.dim() == 1 else rows).to(present.device)
+    need = torch.zeros(present.shape[1], dtype=torch.bool, device=present.device)
     need[at[~present.gather(1, at)]] = True
     if not bool(need.any()):
         return
-    missing = view.units_for(torch.nonzero(need).squeeze(1))
+    missing = view.units_for(torch.nonzero(need).squeeze(1).cpu())
     blocks = sp.store.start_layout(lay, KV, [layer_idx], missing, decode=True).result()
     mask = torch.zeros(len(lay.units), dtype=torch.bool)
     mask[torch.as_tensor(missing, dtype=torch.long)] = True
     pos = torch.nonzero(mask[view.unit_of]).squeeze(1)
     mk, mv = view.gather(missing, blocks, pos)
-    sk[:, pos] = mk.to(sk.dtype)
-    sv[:, pos] = mv.to(sv.dtype)
+    pos = pos.to(sk.device)
+    sk[:, pos] = mk.to(sk.device, sk.dtype)
+    sv[:, pos] = mv.to(sv.device, sv.dtype)
     present[:, pos] = True
     stats = sp.stats
     stats.bytes_read_decode += blocks.stats.disk_bytes

@@ -19,7 +19,7 @@ import torch
 from ..errors import CacheUsageError, CorruptBlockError
 from ..selection.modes import BASELINES
 from ..selection.scores import select_units
-from ..selection.selectors import RowSelection, select_row, top_masks
+from ..selection.selectors import RowSelection, kept_rows, select_row, top_masks
 from ..stats import RequestStats
 from ..storage.base import KV
 from ..store.blocks import PendingRead
@@ -306,26 +306,42 @@ class SparsePrefill:
         read now (blocks the prefill read are reused). Returns per layer ``[len(rows),
         kv_heads, m, head_dim]`` keys and values, right-aligned, and the ``[len(rows), m]``
         mask of the rows held; ``None`` when a layer has no scores to rank by."""
-        spec = self.store.spec
+        spec, cfg = self.store.spec, self.store.config
         lays = [self.layouts[r] for r in rows]
-        m = max((max(1, min(lay.length, round(ratio * lay.length))) for lay in lays if lay is not None), default=0)
+        plans: list[tuple[int, PrefixLayout, int] | None] = []
+        for row, lay in zip(rows, lays):
+            if lay is None:
+                plans.append(None)
+                continue
+            # at least the prefill's k rows (whole blocks made k larger than its ratio)
+            m_i = min(lay.length, max(round(ratio * lay.length), min(self.k, lay.length)))
+            if lay.length > self.k and any(self._importance.get(row, {}).get(la) is None for la in range(spec.num_layers)):
+                return None  # a layer without scores (recomputed rows): nothing to rank by
+            plans.append((row, lay, lay.length if lay.length <= self.k else m_i))
+        m = max((p[2] for p in plans if p is not None), default=0)
         if m == 0:
             return None
         held = torch.zeros(len(rows), m, dtype=torch.long)
         out = []
         for layer in range(spec.num_layers):
             kv = torch.zeros((2, len(rows), spec.num_kv_heads, m, spec.head_dim), dtype=spec.torch_kv_dtype)
-            for i, (row, lay) in enumerate(zip(rows, lays)):
-                if lay is None:
+            for i, plan in enumerate(plans):
+                if plan is None:
                     continue
-                ranking = self._importance.get(row, {}).get(layer)
+                row, lay, m_i = plan
                 view = lay.at(layer)
-                m_i = max(1, min(lay.length, round(ratio * lay.length)))
-                if ranking is None and m_i < lay.length:
-                    return None
-                pos = torch.arange(lay.length) if m_i == lay.length else select_units(ranking, view.unit_of, m_i)
+                if m_i == lay.length:
+                    pos = torch.arange(lay.length)
+                else:
+                    ranking = self._importance[row][layer]
+                    assert ranking is not None
+                    forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
+                    if forced is not None:  # the rows the prefill always keeps stay
+                        ranking = ranking.clone()
+                        ranking[forced] += 1e9
+                    pos = select_units(ranking, view.unit_of, m_i)
                 units = view.units_for(pos)
-                read = self.store.start_layout(lay, KV, [layer], units, known=self.memo).result()
+                read = self.store.start_layout(lay, KV, [layer], units, known=self.memo, decode=True).result()
                 self.stats.bytes_read_guard += read.stats.disk_bytes
                 self.stats.bytes_read_disk += read.stats.disk_bytes
                 self.stats.blocks_read += read.stats.disk_blocks
