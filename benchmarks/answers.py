@@ -92,6 +92,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-before": BEFORE,  # the defaults before issue 14
     "full-refresh": {"guard_margin": 0.0},  # defaults without the guard
     "keep": {"decode": "keep", "important_ratio": 0.25},
+    "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
+    "keep-reselect4": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 4},
+    "guard40": {"guard_ratio": 0.4},
     "random-keep": {"selection": "random", "decode": "keep", "important_ratio": 0.25},
     "recent-keep": {"selection": "recent", "decode": "keep", "important_ratio": 0.25},
     "h2o-keep": {"selection": "h2o", "decode": "keep", "important_ratio": 0.25},
@@ -269,6 +272,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "whole_answer": sum(r["whole_answer"] for r in rs) / n,
             "kl_first": sum(r["kl_first"] for r in rs) / n,
             "bytes_first_vs_whole": sum(r["bytes_first_vs_whole"] for r in rs) / n,
+            "bytes_total_vs_whole": sum(r["bytes_total_vs_whole"] for r in rs) / n,
+            "total_median_s": statistics.median(r["total_s"] for r in rs),
             "guard_rate": sum(r["guard_triggered"] > 0 for r in rs) / n,
             "ttft_median_s": statistics.median(r["ttft_s"] for r in rs),
             "ttft_dense_median_s": statistics.median(r["ttft_dense_s"] for r in rs),
@@ -286,24 +291,26 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
             "same_position>=0.90": (round(v["same_position"], 3), v["same_position"] >= 0.90),
             "bytes_first<=0.40": (round(v["bytes_first_vs_whole"], 3), v["bytes_first_vs_whole"] <= 0.40),
         }
-    keep = summary.get("keep", {}).get("2048")
-    if keep:
-        g["keep@2048"] = {"same_position>=0.85": (round(keep["same_position"], 3), keep["same_position"] >= 0.85)}
+    for name in ("keep", "keep-reselect1"):
+        keep = summary.get(name, {}).get("2048")
+        if keep:
+            g[f"{name}@2048"] = {"same_position>=0.85": (round(keep["same_position"], 3), keep["same_position"] >= 0.85)}
     return g
 
 
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [
-        "| variant | prefix | n | first token | same-position (32) | whole answer | first-step KL | bytes before 1st token / whole | guard rate | TTFT median (s) | TTFT dense (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | prefix | n | first token | same-position (32) | whole answer | first-step KL | bytes before 1st token / whole | guard rate | TTFT median (s) | TTFT dense (s) | bytes in all / whole | answer time median (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in result["meta"]["variants"]:
         for length, v in sorted(s.get(name, {}).items(), key=lambda kv: int(kv[0])):
             lines.append(
                 f"| {name} | {length} | {v['n']} | {v['first_token']:.3f} | {v['same_position']:.3f} | {v['whole_answer']:.3f} "
                 f"| {v['kl_first']:.4f} | {v['bytes_first_vs_whole']:.3f} | {v['guard_rate']:.2f} | {v['ttft_median_s']:.2f} "
-                f"| {v['ttft_dense_median_s']:.2f} |"
+                f"| {v['ttft_dense_median_s']:.2f} | {v.get('bytes_total_vs_whole', float('nan')):.2f} "
+                f"| {v.get('total_median_s', float('nan')):.2f} |"
             )
     return "\n".join(lines)
 
@@ -357,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.report:
         results = [json.loads(Path(f).read_text()) for f in args.report]
-        result = results[0] if len(results) == 1 else merge(results, Path(args.out))
+        if len(results) == 1:  # summaries recomputed from the rows (older files lack some columns)
+            summary = summarize(results[0]["rows"])
+            result = {**results[0], "summary": summary, "goals": goals(summary)}
+        else:
+            result = merge(results, Path(args.out))
         print(markdown(result))
         print(json.dumps(result["goals"], indent=1))
         return 0

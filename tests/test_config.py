@@ -34,6 +34,10 @@ from impress_cache import ConfigError, ImpressConfig, ImpressStore
         ({"guard_margin": True}, "guard_margin"),
         ({"keep_sinks": -1}, "keep_sinks"),
         ({"keep_recent": 1.5}, "keep_recent"),
+        ({"keep_reselect": -1}, "keep_reselect"),
+        ({"keep_reselect": 0.5}, "keep_reselect"),
+        ({"guard_ratio": 0.0}, "guard_ratio"),
+        ({"guard_ratio": 1.5}, "guard_ratio"),
     ],
 )
 def test_config_out_of_range(kwargs, field):

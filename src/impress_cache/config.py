@@ -89,10 +89,28 @@ class ImpressConfig:
         reads nothing more). ``0`` disables the guard. The default 0.5 was chosen on the
         tuning half of the answers benchmark, where the sparse prefill's wrong first
         tokens had gaps of 0.33 to 0.75 nats.
+    guard_ratio:
+        What the uncertainty guard reads first: the rows ranking in the top
+        ``guard_ratio`` of the prefill's probe scores (whole blocks). The new tokens
+        are computed again against those rows; if the top-1/top-2 gap is then at
+        least ``guard_margin``, those logits give the first token, otherwise the
+        guard goes on to the whole prefix. ``None`` reads the whole prefix at once
+        (exact first token whenever the guard fires). Must exceed ``important_ratio``
+        to take effect.
     keep_sinks, keep_recent:
         Prefix rows always selected in every layer of a sparse prefill: the first
         ``keep_sinks`` (attention sinks) and the last ``keep_recent`` (the text just
         before the question). They count against ``k``.
+    keep_reselect:
+        ``decode="keep"`` only: before the first decode step every layer chooses its
+        ``k`` prefix rows again per token and KV head with the new tokens' queries and
+        their K/V are computed again over those rows; then every ``keep_reselect``
+        generated tokens each layer chooses again with the latest token's queries,
+        reading the blocks of rows it does not hold (the encoded probe copies stay in
+        memory). A layer still holds ``k`` prefix rows. ``0`` (default) keeps the
+        prefill's choice. ``1`` lifted same-position agreement at 2k from 0.566 to 0.777
+        on the answers benchmark's held-apart texts, at about 0.7 of the prefix's bytes
+        read per generated token (docs: Sparse loading); other values did worse than 0.
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
@@ -201,8 +219,10 @@ class ImpressConfig:
     decode: str = "full"
     refresh_new_tokens: bool = True
     guard_margin: float = 0.5
+    guard_ratio: float | None = None
     keep_sinks: int = 0
     keep_recent: int = 0
+    keep_reselect: int = 0
     kv_dtype: str = "auto"
     io_threads: int = 8
     device_bytes: int = 256 * 2**20
@@ -241,8 +261,11 @@ class ImpressConfig:
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
         check_number("guard_margin", self.guard_margin, 0.0, 100.0)
+        if self.guard_ratio is not None:
+            check_unit("guard_ratio", self.guard_ratio, open_low=True)
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)
+        check_int("keep_reselect", self.keep_reselect, 0)
         check_int("io_threads", self.io_threads, 1, 256)
         if not isinstance(self.prefetch, bool):
             check_choice("prefetch", self.prefetch, PREFETCH_MODES)

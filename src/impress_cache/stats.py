@@ -28,12 +28,18 @@ class RequestStats:
     blocks, including alignment gaps inside merged reads); with ``important_ratio < 1``
     it splits into ``bytes_read_probe`` (probe-key copies, before the prefill),
     ``bytes_read_rows`` (K/V blocks read during the prefill) and ``bytes_read_decode``
-    (the rest of the prefix, read after the prefill when ``decode="full"``), or
+    (the rest of the prefix, read after the prefill when ``decode="full"``, or the
+    blocks that re-selections read with ``decode="keep"`` and ``keep_reselect``), or
     ``bytes_read_guard`` when the uncertainty guard read that rest before the first
-    token (``guard_triggered`` counts those requests; ``first_token_margin`` is the
+    token (``guard_triggered`` counts those requests, ``guard_widened`` those where the
+    top ``guard_ratio`` of the rows sufficed; ``first_token_margin`` is the
     smallest top-1/top-2 logit gap after a sparse prefill).
+    ``reselections`` counts layer re-selections while decoding (``keep_reselect``), in
+    ``reselect_seconds`` (scoring, reads and copies).
     ``refreshed_tokens`` counts new tokens whose K/V were computed again against the
-    whole prefix (``refresh_new_tokens``), in ``refresh_seconds``.
+    whole prefix (``refresh_new_tokens``; with ``decode="keep"`` and ``keep_reselect``,
+    against the rows re-selected before the first decode step), in ``refresh_seconds``
+    (which also holds the uncertainty guard's wider step, ``guard_ratio``).
     ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
     (summed over batch rows). ``bytes_unattended_rows`` is the part of the K/V blocks
     read from disk for the prefill that no attention head attends to (from each block's
@@ -71,7 +77,10 @@ class RequestStats:
     bytes_read_guard: int = 0
     refreshed_tokens: int = 0
     refresh_seconds: float = 0.0
+    reselections: int = 0
+    reselect_seconds: float = 0.0
     guard_triggered: int = 0
+    guard_widened: int = 0
     first_token_margin: float | None = None
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0

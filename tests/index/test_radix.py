@@ -116,6 +116,19 @@ def test_split_is_copy_on_write_and_keeps_rows():
     assert [(s.file_id, s.file_row, s.length) for s in m.segments] == [(7, 0, 2), (7, 2, 2)]
 
 
+def test_a_nodes_path_runs_from_the_root():
+    """`RadixNode.path`/`path_tokens` (the uploads' and the reorganiser's walk): the nodes
+    and tokens from the root (left out) to the end of the node."""
+    tree = RadixTree()
+    tree.insert((1, 2, 3, 4, 5), file_id=7)
+    leaf = tree.insert((1, 2, 9), file_id=8)
+    upper = leaf.parent
+    assert [n.id for n in leaf.path()] == [upper.id, leaf.id]
+    assert leaf.path_tokens().tolist() == [1, 2, 9]
+    assert upper.children[3].path_tokens().tolist() == [1, 2, 3, 4, 5]
+    assert tree.root.path() == [] and len(tree.root.path_tokens()) == 0
+
+
 def test_node_tokens_are_views_of_the_file_tokens():
     tree = RadixTree()
     file_tokens = np.array([5, 6, 7, 8], dtype=np.int32)

@@ -71,19 +71,25 @@ def test_budget_holds_under_concurrent_writers_and_readers(tmp_path):
             store=str(tmp_path), budget=budget, n=n,
         )],
     )
-    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=budget)) as store:
+    frozen = 1000.0  # the store's clock stands still: a prefix once matched stays in its grace period
+    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=budget), clock=lambda: frozen) as store:
         stop = threading.Event()
-        in_grace = []
+        last_pass: set[int] = set()
 
         def reader() -> None:
-            """Match everything stored, again and again: every prefix stays in its grace period."""
+            """Match this process's prompts again and again, one whole pass after ``stop``
+            too; ``last_pass``: the files the last pass matched."""
             pool = prompts(1, n) + prompts(2, n)
-            while not stop.is_set():
+            while True:
+                done, seen = stop.is_set(), set()
                 for toks in pool:
                     m = store.match(toks)
                     if m.length:
                         store.lease([m]).release()
-                        in_grace.append(store._leases.protection(m.segments[-1].file_id, store.clock()) == GRACE)
+                        seen.update(seg.file_id for seg in m.segments)
+                if done:
+                    last_pass.update(seen)
+                    return
 
         def writer(seed: int) -> None:
             for toks in prompts(seed, n):
@@ -96,12 +102,22 @@ def test_budget_holds_under_concurrent_writers_and_readers(tmp_path):
         for t in threads[1:]:
             t.join()
         store.flush()
-        stop.set()
-        threads[0].join()
         assert child.wait(timeout=300) == 0
         store.enforce_disk_budget()  # the other process may have written after our last write
+        stop.set()
+        threads[0].join()
         stats = store.stats()
         assert stats["prefixes_evicted"] > 0
-        assert any(in_grace)  # eviction went on while prefixes were in their grace period
         assert store.disk_bytes() <= budget + prefix
-    assert du(tmp_path) <= budget + prefix
+        # in its grace period: exactly each file on the path of a prompt of this process
+        # (matched, the clock standing still); the other process's own rows are free
+        indexed = {r.id for r in store._catalog.records.values()}
+        grace = {f for f in indexed if store._leases.protection(f, store.clock()) == GRACE}
+        assert grace and grace == last_pass & indexed and last_pass <= indexed
+        # with every free file gone, eviction takes prefixes in their grace period
+        store.config.disk_bytes = base + 2 * prefix
+        removed = store.enforce_disk_budget()
+        left = {r.id for r in store._catalog.records.values()}
+        assert removed["removed_files"] > 0 and (grace - left) and not (indexed - grace) & left
+        assert store.disk_bytes() <= base + 3 * prefix
+    assert du(tmp_path) <= base + 3 * prefix

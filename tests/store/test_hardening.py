@@ -85,3 +85,30 @@ def test_block_codes_refuse_what_they_cannot_hold():
             block_code(*bad)
     with pytest.raises(StoreLimitError):
         block_code(np.array([1, 1]), np.array([0, 0]), np.array([0, MAX_BLOCKS]))
+
+
+def test_a_lease_over_many_files_looks_at_other_processes_commits_once(tmp_path):
+    """Whether a leased file left the index is asked once per lease, not once per file
+    (each look is a query of the index's data version, and waits for its lock)."""
+    model = tiny_model()
+    with ImpressStore(tmp_path, model, ImpressConfig(**CFG)) as store:
+        spec, toks = store.spec, _doc(n=160)[0]
+        for n in range(20, 161, 20):  # each prompt extends the last one: a file per extension
+            base = toks[:n].float()[None, :, None] + torch.arange(n).float()[None, :, None] / 1000
+            keys = [base.expand(spec.num_kv_heads, n, spec.head_dim) + layer for layer in range(spec.num_layers)]
+            store.put(toks[:n].tolist(), keys, [-k for k in keys])
+        matches = [store.match(toks.numpy()), store.match(toks[:100].numpy())]
+        files = {seg.file_id for m in matches for seg in m.segments}
+        assert len(files) == 8
+        before = store._catalog.refreshes
+        lease = store.lease(matches)
+        assert store._catalog.refreshes - before == 1
+        assert not lease.stale and set(lease.file_ids) == files
+        lease.release()
+        # a file that left the index (another store on the directory evicted it) is still seen
+        with ImpressStore(tmp_path, model, ImpressConfig(**CFG, disk_bytes=1)) as other:
+            other.enforce_disk_budget()
+        before = store._catalog.refreshes
+        lease = store.lease(matches)
+        assert store._catalog.refreshes - before == 1 and lease.stale
+        lease.release()

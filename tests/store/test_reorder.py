@@ -202,8 +202,8 @@ def test_random_store_split_reorganise_read_sequences_match_a_store_without_reor
 
 # -- yielding, background, processes -------------------------------------------------------
 def test_rewrite_waits_for_requests_between_blocks(tmp_path):
-    """While a request holds a lease, the rewrite writes no further block (at most the
-    one in flight when the request arrived)."""
+    """A request takes its lease while the rewrite is between two blocks: the rewrite
+    writes no further block until the lease is released."""
     toks = list(range(3, 131))
     events: list[str] = []
     lock = threading.Lock()
@@ -213,31 +213,36 @@ def test_rewrite_waits_for_requests_between_blocks(tmp_path):
             scatter(store, toks)
         reorg = store._reorder.reorganizer
         inner = reorg._between
-        started = threading.Event()
+        paused, resume, waiting, wrote = (threading.Event() for _ in range(4))
 
         def between():
-            inner()
+            if not paused.is_set() and len(events) == 2:  # between the 2nd and 3rd block
+                paused.set()
+                resume.wait(30)  # the request takes its lease now
+                waiting.set()
+            inner()  # waits until the store is idle
             with lock:
                 events.append("block")
-            started.set()
+            if waiting.is_set():
+                wrote.set()
 
         reorg._between = between
         worker = threading.Thread(target=store.reorganize)
         worker.start()
-        assert started.wait(30)
+        assert paused.wait(30)
         m = store.match(toks)
         lease = store.lease([m])
         with lock:
             events.append("request")
-        for _ in range(30):  # the request runs for a while; the rewrite must stay put
-            threading.Event().wait(0.01)
+        resume.set()
+        assert waiting.wait(30)  # the rewrite is in its wait between blocks, the lease held
+        assert not wrote.wait(0.2)  # no block comes while the request holds its lease
         with lock:
             events.append("done")
         lease.release()
         worker.join(60)
         assert not worker.is_alive()
-        i, j = events.index("request"), events.index("done")
-        assert events[i + 1 : j].count("block") <= 1  # the one that passed its idle check as the request came
+        assert events[:4] == ["block", "block", "request", "done"] and events[4] == "block"
         assert events.count("block") > 4
         assert store.stats()["reorganisations"] == 1
         assert assert_reads_exact(store, toks) == len(toks)

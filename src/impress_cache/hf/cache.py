@@ -20,19 +20,22 @@ attention mask hides.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..errors import CacheUsageError
+from ..errors import CacheUsageError, CorruptBlockError, StoreFormatError, StoreIOError
 from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
 from .refresh import recompute_new_tokens
 from .request import PrefixRequest
+
+log = logging.getLogger(__name__)
 
 
 class ImpressLayer(DynamicLayer):
@@ -204,6 +207,9 @@ class ImpressCache(Cache):
         self._restore_rows: torch.Tensor | None = None
         #: the uncertainty guard looks at the logits of the forward that ends the prefill
         self._guard_pending = False
+        #: forwards after the prefill, and whether this one re-selects (``keep_reselect``)
+        self._decode_steps = 0
+        self._reselect_now = False
         super().__init__(layers=[ImpressLayer() for _ in range(store.spec.num_layers)])
         install_hooks(store.model, ImpressCache)
         if input_ids is not None:
@@ -255,7 +261,8 @@ class ImpressCache(Cache):
     @property
     def selections(self) -> dict[int, dict[int, torch.Tensor]]:
         """Sparse prefill: ``selections[layer][batch_row]`` = prefix positions attended
-        (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``)."""
+        (relative to the row's first real token; ``[k]`` shared or ``[kv_heads, k]``): the
+        prefill's choice (``keep_reselect`` changes the rows held while decoding)."""
         sparse = self._request.sparse if self._request is not None else None
         return {} if sparse is None else sparse.selections
 
@@ -263,12 +270,14 @@ class ImpressCache(Cache):
     @property
     def wants_queries(self) -> bool:
         """True while a sparse prefill still needs the new tokens' queries."""
-        return self._request is not None and self._request.sparse is not None and not self._written
+        return (
+            self._request is not None and self._request.sparse is not None and (not self._written or self._reselect_now)
+        )
 
     def capture_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
         sparse = self._bound().sparse
-        if sparse is not None and not self.layers[layer_idx].is_initialized:
+        if sparse is not None and (not self.layers[layer_idx].is_initialized or self._reselect_now):
             sparse.capture(layer_idx, queries)
 
     def begin_generate(self, input_ids: Any, attention_mask: torch.Tensor | None) -> None:
@@ -279,6 +288,15 @@ class ImpressCache(Cache):
             raise CacheUsageError(
                 "this ImpressCache already served a request; build a new ImpressCache for every generate call"
             )
+
+    def end_generate(self) -> None:
+        """``generate`` returned (or failed): a keep-mode request that re-selects rows while
+        decoding releases its lease and what it kept for that (a cache that ``generate``
+        never saw releases them when it is garbage-collected)."""
+        req = self._request
+        if req is not None and req.sparse is not None and req.sparse.reselector is not None:
+            req.end_decoding()
+        self._reselect_now = False
 
     def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """``generate`` shows the whole prompt (the forward only sees the tokens after the
@@ -297,6 +315,13 @@ class ImpressCache(Cache):
         assert self._guard is not None
         if req.prefill_started is None:
             req.prefill_started = time.perf_counter()
+        if self._written:
+            self._decode_steps += 1
+            every = self.store.config.keep_reselect
+            reselector = req.sparse.reselector if req.sparse is not None else None
+            self._reselect_now = reselector is not None and self._decode_steps % every == 0
+            if reselector is not None and self._decode_steps == 1:
+                reselector.refresh(self.layers, self.store.model, req.ids, req.mask, req.reused)
         if self._guard.check_forward(input_ids, attention_mask, self.expand) and req.full_pending:
             self._restore_full(req, self.store.config.refresh_new_tokens, False)
 
@@ -333,15 +358,41 @@ class ImpressCache(Cache):
         req = self._request
         if not isinstance(logits, torch.Tensor) or req is None or logits.shape[-1] < 2:
             return
-        top2 = logits[:, -1].float().topk(2, dim=-1).values
-        margin = float((top2[:, 0] - top2[:, 1]).min())
+        margin = _gap(logits[:, -1])
         req.stats.first_token_margin = margin
         if margin >= self.store.config.guard_margin or not req.full_pending:
             return
         req.stats.guard_triggered += 1
+        wider = self._wider_logits(req)
+        if wider is not None and _gap(wider) >= self.store.config.guard_margin:
+            req.stats.guard_widened += 1
+            logits[:, -1] = wider.to(logits.device, logits.dtype)
+            return
         exact = self._restore_full(req, True, True)
         assert exact is not None
         logits[:, -1] = exact.to(logits.device, logits.dtype)
+
+    def _wider_logits(self, req: PrefixRequest) -> torch.Tensor | None:
+        """The guard's first step (``guard_ratio``): the logits after the prompt with the
+        new tokens computed again against the top ``guard_ratio`` rows of every layer
+        (``None``: not configured, or nothing to rank by)."""
+        ratio = self.store.config.guard_ratio
+        sparse = req.sparse
+        if ratio is None or sparse is None or ratio <= self.store.config.important_ratio:
+            return None
+        t0 = time.perf_counter()
+        try:
+            wide = sparse.load_wider(req.rows.tolist(), ratio)
+        except (CorruptBlockError, StoreIOError, StoreFormatError) as exc:  # the whole-prefix read recovers
+            log.info("the guard's wider read failed (%s); reading the whole prefix", exc)
+            return None
+        if wide is None:
+            return None
+        prefix, held = wide
+        dtype = self.layers[0].keys.dtype
+        _, logits = recompute_new_tokens(self.store.model, req.ids, req.mask, req.reused, prefix, dtype, held)
+        req.stats.refresh_seconds += time.perf_counter() - t0
+        return logits
 
     # -- the cache protocol --------------------------------------------------------------
     def update(
@@ -359,6 +410,8 @@ class ImpressCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized and req.reused > 0:
             layer.place(*req.prefix_for(layer_idx, key_states))
+        elif self._reselect_now and req.sparse is not None:
+            req.sparse.reselect(layer_idx, key_states, layer.keys, layer.values)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (
             not self._written
@@ -383,7 +436,9 @@ class ImpressCache(Cache):
         if self._restore_rows is not None:
             self._restore_rows = self._restore_rows.repeat_interleave(repeats)
         if self._request is not None:
+            n = self._request.ids.shape[0]
             self._request.expand(repeats)
+            self._reselect_rows(torch.arange(n).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (held, not placed yet, and the prompt checked)."""
@@ -403,6 +458,18 @@ class ImpressCache(Cache):
         req.select_rows(idx)
         if self._restore_rows is not None:
             self._restore_rows = self._restore_rows[idx]
+        self._reselect_rows(idx)
+
+    def _reselect_rows(self, idx: torch.Tensor) -> None:
+        sparse = self._request.sparse if self._request is not None else None
+        if sparse is not None and sparse.reselector is not None:
+            sparse.reselector.rows_changed(idx)
 
     def reset(self) -> None:
         raise CacheUsageError("an ImpressCache cannot be reset; build a new ImpressCache for every request")
+
+
+def _gap(logits: torch.Tensor) -> float:
+    """The smallest top-1/top-2 gap of ``[batch, vocab]`` logits over the batch."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())

@@ -101,10 +101,14 @@ def _generate_wrapper(model: torch.nn.Module, original: Callable[..., Any], cach
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
         cache = cache_argument(kwargs)
-        if isinstance(cache, cache_type):
-            check_model(model, cache)
-            _begin_generate(model, cache, args, kwargs)
-        return original(*args, **kwargs)
+        if not isinstance(cache, cache_type):
+            return original(*args, **kwargs)
+        check_model(model, cache)
+        _begin_generate(model, cache, args, kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            cache.end_generate()
 
     return generate
 

@@ -154,31 +154,45 @@ class DenseLoader:
 class ProbeLoader:
     """Decoded probe keys of every batch row, layer by layer in the background."""
 
-    def __init__(self, store: ImpressStore, layouts: list[PrefixLayout | None], stats: RequestStats) -> None:
+    def __init__(
+        self, store: ImpressStore, layouts: list[PrefixLayout | None], stats: RequestStats, keep_raw: bool = False
+    ) -> None:
         self._store = store
         self._layouts = layouts
         self._stats = stats
         #: what the probe reads cost (kept apart: the loader thread is the only writer)
         self.read = ReadStats()
+        #: with ``keep_raw``: per layer, per batch row, the encoded probe rows (``decode``
+        #: turns them into keys again; a fraction of the decoded keys' memory)
+        self.raw: dict[int, list[torch.Tensor | None]] | None = {} if keep_raw else None
         self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
 
     def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
         return _start_reads(self._store, self._layouts, PROBE, layer)
 
     def _decode(self, started: tuple[int, list[_RowRead | None]]) -> list[torch.Tensor | None]:
-        store, spec = self._store, self._store.spec
-        _, reads = started
+        layer, reads = started
         out: list[torch.Tensor | None] = []
+        raws: list[torch.Tensor | None] = []
         for row in reads:
             if row is None:
                 out.append(None)
+                raws.append(None)
                 continue
             view, units, read = row
             blocks = read.result()
             raw = view.gather_rows(units, blocks)
-            out.append(probe_codec.decode(raw, len(store.probe.kv_heads), spec.head_dim, store.probe.encoding))
+            raws.append(raw)
+            out.append(self.decode(raw))
             self.read.add(blocks.stats)
+        if self.raw is not None:
+            self.raw[layer] = raws
         return out
+
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """``[probed kv heads, P, head_dim]`` float32 keys of encoded probe rows."""
+        store = self._store
+        return probe_codec.decode(raw, len(store.probe.kv_heads), store.spec.head_dim, store.probe.encoding)
 
     def layer(self, layer: int) -> list[torch.Tensor | None]:
         """Per batch row, ``[probed kv heads, P, head_dim]`` float32 probe keys."""

@@ -26,19 +26,27 @@ def recompute_new_tokens(
     reused: int,
     prefix: list[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
+    prefix_mask: torch.Tensor | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Per layer the ``[batch, kv_heads, new, head_dim]`` keys and values of the columns
     after ``reused`` of a left-padded prompt, computed over ``prefix`` (per layer
     ``[batch, kv_heads, reused, head_dim]``), and the ``[batch, vocab]`` logits after the
-    prompt's last token."""
+    prompt's last token.
+
+    With ``prefix_mask`` (``[batch, m]``), ``prefix`` holds only ``m`` of the prefix rows
+    per layer (keys after RoPE keep their positions; the mask says which are held): the
+    new tokens keep their positions in the prompt and attend to those rows only."""
     device = next(model.parameters()).device
     cache = DynamicCache()
     for i, (k, v) in enumerate(prefix):
         cache.update(k.to(device, dtype), v.to(device, dtype), i)
     mask = mask.to(device).long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, reused:]
+    if prefix_mask is not None:
+        mask = torch.cat([prefix_mask.to(device).long(), mask[:, reused:]], dim=-1)
+        reused = prefix_mask.shape[1]
     out = model(
-        input_ids=ids[:, reused:].to(device),
+        input_ids=ids[:, -positions.shape[1] :].to(device),
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,

@@ -33,6 +33,7 @@ from ..store.leases import PrefixLease
 from ..store.store import ImpressStore
 from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
+from .reselect import reselects
 from .sparse import SparsePrefill
 
 #: matches a request tries when a matched file went before it was leased
@@ -80,6 +81,15 @@ class PrefixRequest:
     def pads(self) -> list[int]:
         """Left-padding columns of every row."""
         return (self.ids.shape[1] - self.mask.sum(dim=1)).tolist()
+
+    def end_decoding(self) -> None:
+        """Nothing will be read for this request any more (``generate`` returned, or
+        keep mode without re-selection): drop the lease and what re-selection keeps."""
+        if self.sparse is not None:
+            self.sparse.reselector = None
+            if self.sparse.probes is not None:
+                self.sparse.probes.raw = None
+        self.release_lease()
 
     def release_lease(self) -> None:
         """The request holds what it needs in memory: its prefixes may be evicted again."""
@@ -133,7 +143,7 @@ class PrefixRequest:
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
         if k < reused:
-            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats)
+            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats, keep_raw=reselects(store.config))
             self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room, self)
         else:
             self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats)
@@ -207,8 +217,8 @@ class PrefixRequest:
             if self.store.config.decode == "full" and self._recomputed is None:
                 # the batch's rows as they are now: later reorders apply to the result
                 self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
-            else:
-                self.release_lease()
+            elif self.sparse.reselector is None or self._recomputed is not None:
+                self.end_decoding()  # nothing more to read (re-selection reads the leased files)
             self._settle_tiers()
             return
         self.release_lease()

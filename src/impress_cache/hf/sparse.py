@@ -18,7 +18,8 @@ import torch
 
 from ..errors import CacheUsageError, CorruptBlockError
 from ..selection.modes import BASELINES
-from ..selection.selectors import RowSelection, select_row, top_masks
+from ..selection.scores import select_units
+from ..selection.selectors import RowSelection, kept_rows, select_row, top_masks
 from ..stats import RequestStats
 from ..storage.base import KV
 from ..store.blocks import PendingRead
@@ -26,6 +27,7 @@ from ..store.blockset import BlockSet, ReadStats, invalid_io_ratio
 from ..store.layout import PrefixLayout
 from ..store.store import ImpressStore
 from .loaders import ProbeLoader, prefix_buffer
+from .reselect import Reselector, reselects
 
 
 class SparsePrefill:
@@ -67,6 +69,8 @@ class SparsePrefill:
         self._importance: dict[int, dict[int, torch.Tensor | None]] = {}
         #: per planned row: K/V blocks touched and rows selected, summed over layers
         self._touched: dict[int, list[int]] = {}
+        #: ``decode="keep"`` with ``keep_reselect``: what re-selecting while decoding needs
+        self.reselector = Reselector(self) if reselects(store.config) and probes is not None else None
 
     def row_of(self, i: int) -> int:
         """The planned row that running batch row ``i`` is (repeats, beams, selections)."""
@@ -127,10 +131,19 @@ class SparsePrefill:
         if fell_back:
             self.stats.fallback_layers.append(layer_idx)
         self.stats.select_seconds += time.perf_counter() - t1 - (self.stats.io_wait_seconds - io0)
+        if self.reselector is not None:
+            self.reselector.question[layer_idx] = self._queries[layer_idx]
         del self._queries[layer_idx]
         if self.store.config.prefetch and recomputed is None and layer_idx + 1 < self.store.spec.num_layers:
             self._read_ahead(layer_idx + 1)
         return buf, self.k
+
+    def reselect(self, layer_idx: int, key_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """While decoding (``keep_reselect``): choose the layer's held rows again with the
+        captured queries of this step (see `Reselector`)."""
+        queries = self._queries.pop(layer_idx, None)
+        if queries is not None and self.reselector is not None:
+            self.reselector.reselect(layer_idx, queries, key_states, keys, values)
 
     def _read_ahead(self, layer_idx: int) -> None:
         """Start reading, for the next layer, the blocks this layer chose (per batch row);
@@ -286,6 +299,58 @@ class SparsePrefill:
             if all(r is not None for r in ranks):  # one top-k over every layer
                 imp = top_masks(torch.stack(ranks), min(self.k, lay.length)).numpy()  # type: ignore[arg-type]
             self.store.record_importance(lay.segments, imp, blocks, rows)
+
+    def load_wider(self, rows: list[int], ratio: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None:
+        """The uncertainty guard's first step: per layer, the prefix rows ranking in the
+        top ``ratio`` of the prefill's probe scores (whole blocks, as the prefill chose),
+        read now (blocks the prefill read are reused). Returns per layer ``[len(rows),
+        kv_heads, m, head_dim]`` keys and values, right-aligned, and the ``[len(rows), m]``
+        mask of the rows held; ``None`` when a layer has no scores to rank by."""
+        spec, cfg = self.store.spec, self.store.config
+        lays = [self.layouts[r] for r in rows]
+        plans: list[tuple[int, PrefixLayout, int] | None] = []
+        for row, lay in zip(rows, lays):
+            if lay is None:
+                plans.append(None)
+                continue
+            # at least the prefill's k rows (whole blocks made k larger than its ratio)
+            m_i = min(lay.length, max(round(ratio * lay.length), min(self.k, lay.length)))
+            if lay.length > self.k and any(self._importance.get(row, {}).get(la) is None for la in range(spec.num_layers)):
+                return None  # a layer without scores (recomputed rows): nothing to rank by
+            plans.append((row, lay, lay.length if lay.length <= self.k else m_i))
+        m = max((p[2] for p in plans if p is not None), default=0)
+        if m == 0:
+            return None
+        held = torch.zeros(len(rows), m, dtype=torch.long)
+        out = []
+        for layer in range(spec.num_layers):
+            kv = torch.zeros((2, len(rows), spec.num_kv_heads, m, spec.head_dim), dtype=spec.torch_kv_dtype)
+            for i, plan in enumerate(plans):
+                if plan is None:
+                    continue
+                row, lay, m_i = plan
+                view = lay.at(layer)
+                if m_i == lay.length:
+                    pos = torch.arange(lay.length)
+                else:
+                    ranking = self._importance[row][layer]
+                    assert ranking is not None
+                    forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
+                    if forced is not None:  # the rows the prefill always keeps stay
+                        ranking = ranking.clone()
+                        ranking[forced] += 1e9
+                    pos = select_units(ranking, view.unit_of, m_i)
+                units = view.units_for(pos)
+                read = self.store.start_layout(lay, KV, [layer], units, known=self.memo, decode=True).result()
+                self.stats.bytes_read_guard += read.stats.disk_bytes
+                self.stats.bytes_read_disk += read.stats.disk_bytes
+                self.stats.blocks_read += read.stats.disk_blocks
+                k, v = view.gather(units, read, pos)
+                kv[0, i, :, m - m_i :] = k
+                kv[1, i, :, m - m_i :] = v
+                held[i, m - m_i :] = 1
+            out.append((kv[0], kv[1]))
+        return out, held
 
     def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """Every prefix row of the planned batch rows ``rows`` (the blocks read during the

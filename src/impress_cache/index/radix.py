@@ -137,6 +137,21 @@ class RadixNode:
             node = node.parent
         return n
 
+    def path(self) -> list[RadixNode]:
+        """The nodes from the root (left out: it holds no tokens) down to this one."""
+        out: list[RadixNode] = []
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def path_tokens(self) -> np.ndarray:
+        """The tokens from the root to the end of this node."""
+        path = self.path()
+        return np.concatenate([n.tokens for n in path]) if path else np.zeros(0, np.int32)
+
     def is_leaf(self) -> bool:
         return not self._kids
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ReadOnlyStoreError, StoreFormatError
 from .guard import _check_regular, _guarded, index_error, is_damage
-from ..storage.base import BlockKey
+from ..storage.base import BlockKey, disk_bytes
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
 
@@ -309,7 +309,7 @@ class Index:
                 st = os.stat(f"{self.path}{suffix}")
             except FileNotFoundError:
                 continue
-            total += max(st.st_size, st.st_blocks * 512)
+            total += disk_bytes(st)
         return total
 
     def wal_bytes(self) -> int:

@@ -111,6 +111,24 @@ def read_all(layout: LayerView, read_units: ReadUnits) -> tuple[list[int], Block
     return units, blocks, layout.gather(units, blocks)[0]
 
 
+def probe_scores(
+    queries: torch.Tensor, new_keys: torch.Tensor, probe_keys: torch.Tensor, probe_kv_heads: Sequence[int]
+) -> torch.Tensor:
+    """``[len(probe_kv_heads), P]`` scores of the prefix rows from ``[Hq, n, D]`` queries,
+    ``[Hkv, n, D]`` new keys and ``[len(probe_kv_heads), P, D]`` probe keys.
+
+    Every query head of the probed KV groups scores: with grouped-query attention the I/O
+    cost is per KV head, and the extra query heads cost only compute. Each probed KV
+    head gets one score row (its group's column sums added up)."""
+    group = queries.shape[0] // new_keys.shape[0]
+    p = probe_keys.shape[1]
+    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
+    nk = new_keys[list(probe_kv_heads)]
+    # the argument checks of attention_column_scores hold by construction here
+    per_q = column_sums(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
+    return per_q.view(len(probe_kv_heads), group, p).sum(dim=1)
+
+
 def select_row(
     *,
     queries: torch.Tensor,
@@ -163,20 +181,11 @@ def select_row(
         from .baselines import select_baseline
 
         return select_baseline(mode, queries, new_keys, layout, k, read_units, seed)
-    hq = queries.shape[0]
     hkv = new_keys.shape[0]
-    group = hq // hkv
     p = layout.length
-    # Score with every query head of the probed KV groups: with grouped-query attention
-    # the I/O cost is per KV head, and the extra query heads cost only compute. Each
-    # probed KV head gets one score row (its group's column sums added up).
-    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
-    nk = new_keys[list(probe_kv_heads)]
     if not 1 <= k <= p:
         raise ValueError(f"k={k} must be in [1, P={p}]")
-    # the argument checks of attention_column_scores hold by construction here
-    per_q = column_sums(queries[q_heads].unsqueeze(0), probe_keys.unsqueeze(0), nk.unsqueeze(0))[0]
-    scores = per_q.view(len(probe_kv_heads), group, p).sum(dim=1)  # [probed KV heads, P]
+    scores = probe_scores(queries, new_keys, probe_keys, probe_kv_heads)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
     similarity = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k), p)[0]) if scores.shape[0] > 1 else 1.0
     ranking = normalised_sum(scores)

@@ -215,6 +215,12 @@ class ChunkFormat(ABC):
         """File offset of every block, by `BlockData.name` (for repair)."""
 
 
+def disk_bytes(st: os.stat_result) -> int:
+    """Bytes a file takes on disk (as ``du``, never less than its size: a file with
+    holes counts its whole size, since its holes may be filled)."""
+    return max(st.st_size, st.st_blocks * 512)
+
+
 def kind_of(path: Path) -> str | None:
     """``"dir"``, ``"file"``, ``"link"``, ``"other"`` or ``None`` (absent), without following links."""
     try:

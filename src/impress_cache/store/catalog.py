@@ -106,6 +106,8 @@ class Catalog:
         #: reloaded and these are all its leaves)
         self._on_leaves = on_leaves
         self._open: dict[int, OpenFile] = {}
+        #: `refresh` calls (each a look at the index's data version), for tests and tuning
+        self.refreshes = 0
         #: bytes of the index file, its shared-memory file and the directories, as last
         #: measured (`disk_bytes`), and how often they were used since
         self._fixed: int | None = None
@@ -180,6 +182,7 @@ class Catalog:
         """Reload the tree if another process changed the index (``wait``: see
         `Index.changed_elsewhere`)."""
         with self.lock:
+            self.refreshes += 1
             if self.index.changed_elsewhere(wait):
                 self.reload_tree()
 
@@ -417,11 +420,12 @@ class Catalog:
         self._drop_record(file_id)
         return rec
 
-    def indexed(self, file_id: int) -> bool:
-        """Whether a file is in the index now (reloaded if another process changed it)."""
+    def indexed(self, file_ids: Iterable[int]) -> bool:
+        """Whether every file of ``file_ids`` is in the index now (one look at other
+        processes' commits for all of them)."""
         with self.lock:
             self.refresh()
-            return file_id in self.records
+            return all(fid in self.records for fid in file_ids)
 
     def disk_bytes(self, wal: int | None = None) -> int:
         """What the store puts on disk: its chunk files, its index (with WAL), the two

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
-from ..storage.base import kind_of
+from ..storage.base import disk_bytes, kind_of
 
 #: errors that mean "this path cannot be written"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -153,4 +153,4 @@ def write_file(
         except FileNotFoundError:
             pass
         raise
-    return max(st.st_size, st.st_blocks * 512)
+    return disk_bytes(st)

@@ -157,14 +157,15 @@ class LeaseTable:
         unlink: Callable[[str], None],
         grace_s: float | None = None,
         activity: Activity | None = None,
-        indexed: Callable[[int], bool] = lambda file_id: True,
+        indexed: Callable[[Sequence[int]], bool] = lambda file_ids: True,
     ) -> None:
         self._clock = clock
         #: deletes files on a thread of its own (`drain` waits for it)
         self.unlinker = Unlinker(unlink)
         self._unlink = self.unlinker
         self._activity = activity
-        #: the files in the index now (a lease of one that left it is `PrefixLease.stale`)
+        #: whether all these files are in the index now (a lease of one that left it is
+        #: `PrefixLease.stale`); one call per lease
         self._indexed = indexed
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
@@ -202,7 +203,7 @@ class LeaseTable:
         lease = self.hold([seg.file_id for m in matches for seg in m.segments], request)
         # taken, the lease keeps every file that is still indexed; one that left the index
         # since the match (its node rewritten or evicted) cannot be opened any more
-        lease.stale = not all(self._indexed(fid) for fid in lease.file_ids)
+        lease.stale = not self._indexed(lease.file_ids)
         return lease
 
     def hold(self, file_ids: Sequence[int], request: bool = True) -> PrefixLease:

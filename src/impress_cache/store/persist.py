@@ -29,29 +29,19 @@ from .values import NodeValues
 log = logging.getLogger(__name__)
 
 
-def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
-    """Saved records (``saved_at`` wall-clock seconds, ``age_s``) as policy records on a
-    clock reading ``now``: the time the store was closed counts as idle time."""
-    wall = time.time()
-    out: dict[Any, dict[str, Any]] = {}
-    for key, rec in rows:
-        down = max(0.0, wall - float(rec["saved_at"]))
-        out[key] = {
-            "count": rec["count"],
-            "freq": rec["freq"],
-            "share": min(1.0, max(0.0, float(rec["share"]))),
-            "seq": rec["seq"],
-            "freq_time": now - down,
-            "last_access": now - down - float(rec["age_s"]),
-        }
-    return out
+#: the fields of a saved record (`Index.load_block_stats`; the columns of
+#: `Index.load_node_stats`), and of a policy record on the store's clock
+SAVED = ("count", "freq", "share", "age_s", "seq", "saved_at")
+POLICY = ("count", "freq", "share", "seq", "freq_time", "last_access")
 
 
 def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
-    """`rebase` of `Index.load_node_stats`'s columns, in place: ``float64 [n, 6]`` of
-    ``count, freq, share, seq, freq_time, last_access``."""
+    """Saved records as policy records on a clock reading ``now``: the time the store
+    was closed counts as idle time. ``cols``: ``float64 [n, 6]`` of the `SAVED` fields,
+    turned into the `POLICY` fields in place (a block of rows at a time: small
+    temporaries) and returned."""
     wall = time.time()
-    for k in range(0, len(cols), 4096):  # a block at a time: small temporaries
+    for k in range(0, len(cols), 4096):
         c = cols[k : k + 4096]
         saved = now - np.maximum(0.0, wall - c[:, 5])  # the save, on this clock
         c[:, 5] = saved - c[:, 3]  # last access: age_s before it
@@ -59,6 +49,15 @@ def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
         c[:, 4] = saved  # freq_time
         np.clip(c[:, 2], 0.0, 1.0, out=c[:, 2])
     return cols
+
+
+def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
+    """`rebase_columns` of saved records given as ``(key, record)`` pairs."""
+    rows = list(rows)
+    if not rows:
+        return {}
+    cols = rebase_columns(np.array([[float(rec[k]) for k in SAVED] for _, rec in rows], np.float64), now)
+    return {key: dict(zip(POLICY, vals)) for (key, _), vals in zip(rows, cols.tolist())}
 
 
 class StatsKeeper:

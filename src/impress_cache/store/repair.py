@@ -15,8 +15,6 @@ no process has the store open.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 from pathlib import Path
@@ -29,47 +27,26 @@ from .. import probe as probe_codec
 from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
 from ..storage import FORMATS
-from ..storage.base import KV, PROBE, context_digest
+from ..storage.base import PROBE
 from .catalog import CHUNK_DIR, FILE_NAME, Catalog
 from .directory import dir_mode, ensure_dir
+from .header import decode_header
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = {cls.suffix: cls for cls in FORMATS.values()}
 
 
-def _array(meta: dict[str, str], key: str, dtype: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(meta[key]), dtype=dtype)
-
-
 def read_header(path: Path, fmt: Any) -> tuple[NewFile, np.ndarray, dict[str, Any], dict[str, Any]]:
     """A chunk file's index record from its own header (read once): ``(new file, whole
     token sequence, model record, probe record)``. Raises ``ValueError``/``KeyError``/
-    ``OSError`` when the header is incomplete or inconsistent."""
-    meta = fmt.read_metadata(path)
-    if meta.get("impress_cache") != "3":
-        raise ValueError(f"header version {meta.get('impress_cache')!r}, not 3")
-    model, probe = json.loads(meta["model"]), json.loads(meta["probe"])
-    record_bytes = _row_bytes(model, probe)[PROBE]
-    first, n, ct, layers = (int(meta[k]) for k in ("first_pos", "n_tokens", "chunk_tokens", "layers"))
-    seq = _array(meta, "tokens", "<i4")
-    nb = -(-n // ct)
-    if len(seq) != first + n or n < 1 or ct < 1 or layers != model["num_layers"] or meta["uuid"] != path.name[:32]:
+    ``OSError`` when the header is incomplete, of another version or inconsistent."""
+    h = decode_header(fmt.read_metadata(path))
+    if h.layers != h.model["num_layers"] or f"{h.uuid}.{fmt.suffix}" != path.name:
         raise ValueError("header fields disagree with each other or with the file name")
-    checksums = _array(meta, "checksums", "<u4").reshape(2, layers, nb)
-    perm = _array(meta, "perm", "<i4").reshape(layers, n) if "perm" in meta else None
-    placed = fmt.block_offsets(path)
-    offsets = np.zeros((2, layers, nb), dtype=np.int64)
-    for layer in range(layers):
-        for b in range(nb):
-            offsets[KV, layer, b] = placed[f"L{layer}.B{b}"]
-        offsets[PROBE, layer] = placed[f"P{layer}"] + np.arange(nb) * ct * record_bytes
-    nbytes = layers * n * sum(_row_bytes(model, probe))
-    new = NewFile(
-        path.name, fmt.suffix, first, seq[first:].copy(), context_digest(seq[:first]), ct, layers, offsets, checksums,
-        nbytes, os.stat(path).st_size, perm,
-    )
-    return new, seq, model, probe
+    row_bytes = _row_bytes(h.model, h.probe)
+    offsets = h.offsets(fmt.block_offsets(path), row_bytes[PROBE])
+    return h.new_file(fmt.suffix, offsets, row_bytes, os.stat(path).st_size), h.tokens, h.model, h.probe
 
 
 def _row_bytes(model: dict[str, Any], probe: dict[str, Any]) -> tuple[int, int]:

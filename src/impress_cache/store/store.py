@@ -239,8 +239,9 @@ class ImpressStore:
             return
         self._closed = True
         steps = (
-            self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._remote.close,
-            self._leases.unlinker.close, lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
+            self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._leases.unlinker.close,
+            lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
+            self._remote.close,  # after the fetch threads: their reads may fill linked files
             self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
         )
         failure: BaseException | None = None

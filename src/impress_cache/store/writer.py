@@ -12,7 +12,6 @@ file is removed and the store is as it was.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -32,16 +31,16 @@ from ..errors import ImpressError, StoreLimitError
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
-from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, file_seed, iter_blocks, tensor_bytes
+from ..storage.base import KV, MAX_BLOCKS, MAX_LAYERS, PROBE, BlockData, ChunkFormat, block_seeds, checksum, context_digest, disk_bytes, file_seed, iter_blocks, tensor_bytes
 from .activity import Activity
 from .binding import ProbeSpec
 from .catalog import Catalog
 from .directory import create_file, publish
+from .header import FILE_FORMAT, b64
 
 log = logging.getLogger(__name__)
 
 #: version of the chunk-file header written by this module
-FILE_FORMAT = "3"
 
 
 @dataclass
@@ -60,8 +59,6 @@ class WriteCounters:
 OnWritten = Callable[[int, int, RadixNode | None], None]
 
 
-def _b64(a: np.ndarray, dtype: str) -> str:
-    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode()
 
 
 class PromptWriter:
@@ -243,11 +240,11 @@ class PromptWriter:
             "n_tokens": str(n),
             "chunk_tokens": str(ct),
             "layers": str(layers),
-            "tokens": _b64(tokens, "<i4"),
-            "checksums": _b64(checksums, "<u4"),
+            "tokens": b64(tokens, "<i4"),
+            "checksums": b64(checksums, "<u4"),
         }
         if perm is not None:
-            meta["perm"] = _b64(perm, "<i4")
+            meta["perm"] = b64(perm, "<i4")
         catalog = self._catalog
         tmp = name + ".tmp"
         try:
@@ -261,7 +258,7 @@ class PromptWriter:
                 else:
                     offsets[PROBE, blk.layer] = off + np.arange(nb) * ct * self._probe.record_bytes
             st = os.stat(tmp, dir_fd=catalog.chunks_fd)
-            file_bytes = max(st.st_size, st.st_blocks * 512)  # what the file takes on disk
+            file_bytes = disk_bytes(st)
             publish(catalog.chunks_fd, tmp, name, self._config.fsync)
         except BaseException:
             catalog.unlink(tmp)

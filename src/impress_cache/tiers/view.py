@@ -32,11 +32,16 @@ class TierView:
             raise TierError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
         return tier
 
-    def tier_of(self, key: Hashable) -> str | None:
-        """``"device"``, ``"host"`` or ``None`` (only on disk)."""
+    def _resident(self, key: Hashable, field: str) -> Any:
+        """``field`` of a resident block's entry (read under the lock), ``None`` when
+        the block is not in memory."""
         with self._lock:
             entry = self._where.get(key)
-            return None if entry is None else entry.tier
+            return None if entry is None else getattr(entry, field)
+
+    def tier_of(self, key: Hashable) -> str | None:
+        """``"device"``, ``"host"`` or ``None`` (only on disk)."""
+        return self._resident(key, "tier")
 
     def used_bytes(self, tier: str) -> int:
         """Bytes of the blocks resident in ``tier``."""
@@ -61,9 +66,7 @@ class TierView:
 
     def nbytes_of(self, key: Hashable) -> int | None:
         """Size of a resident block, or ``None`` when it is not in memory."""
-        with self._lock:
-            entry = self._where.get(key)
-            return None if entry is None else entry.nbytes
+        return self._resident(key, "nbytes")
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

@@ -35,8 +35,9 @@ import numpy as np
 
 from ...index.sqlite import NewFile
 from ...model_info import ModelSpec
-from ...storage.base import KV, PROBE, block_seeds, checksum, context_digest, file_seed
+from ...storage.base import KV, PROBE, block_seeds, checksum, file_seed
 from ..binding import ProbeSpec
+from ..header import decode_header
 
 MANIFEST_VERSION = 1
 _SMALLEST_BOUNDARY = 16
@@ -174,56 +175,45 @@ def parse_object(
     verify = size is None
     size = len(data) if size is None else size
     header, data_start = _safetensors_header(data)
-    meta = header.get("__metadata__") or {}
     try:
-        if json.loads(meta["model"]) != spec.to_dict():
-            raise BadObject("object of another model")
-        pr = json.loads(meta["probe"])
-        if list(pr["kv_heads"]) != list(probe.kv_heads) or pr["encoding"] != probe.encoding:
-            raise BadObject("object with other probe settings")
-        uid = bytes.fromhex(meta["uuid"])
-        first_pos, n, ct, layers = (int(meta[k]) for k in ("first_pos", "n_tokens", "chunk_tokens", "layers"))
-        tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4").astype(np.int64)
-        nb = -(-n // ct)
-        checksums = np.frombuffer(base64.b64decode(meta["checksums"]), dtype="<u4").reshape(2, layers, nb).copy()
-        perm = None
-        if "perm" in meta:
-            perm = np.frombuffer(base64.b64decode(meta["perm"]), dtype="<i4").reshape(layers, n).copy()
-    except BadObject:
-        raise
+        h = decode_header(header.get("__metadata__") or {})
     except (KeyError, ValueError, TypeError) as exc:
-        raise BadObject(f"object header incomplete: {exc}") from exc
-    if len(uid) != 16 or layers != spec.num_layers or len(tokens) != first_pos + n or n < 1 or ct < 1:
+        raise BadObject(f"object header incomplete or of another version: {exc}") from exc
+    if h.model != spec.to_dict():
+        raise BadObject("object of another model")
+    if list(h.probe.get("kv_heads", ())) != list(probe.kv_heads) or h.probe.get("encoding") != probe.encoding:
+        raise BadObject("object with other probe settings")
+    if h.layers != spec.num_layers:
         raise BadObject("object header inconsistent")
-    own = object_name(ns, first_pos, tokens, uid)
+    uid = bytes.fromhex(h.uuid)
+    own = object_name(ns, h.first_pos, h.tokens, uid)
     if name is not None and own != name:
         raise BadObject("object does not hold the tokens its name promises")
-    rows = tokens[first_pos:]
-    offsets = np.zeros((2, layers, nb), dtype=np.int64)
-    sizes = np.minimum(ct, n - np.arange(nb) * ct)
+    placed, sizes = {}, h.block_rows
     try:
-        for layer in range(layers):
-            for b in range(nb):
+        for layer in range(h.layers):
+            for b, rows in enumerate(sizes.tolist()):
                 start, end = header[f"L{layer}.B{b}"]["data_offsets"]
-                offsets[KV, layer, b] = data_start + start
-                if end - start != sizes[b] * row_bytes[KV]:
+                placed[f"L{layer}.B{b}"] = data_start + start
+                if end - start != rows * row_bytes[KV]:
                     raise BadObject("block of the wrong size")
             p0, p1 = header[f"P{layer}"]["data_offsets"]
-            if p1 - p0 != n * row_bytes[PROBE]:
+            placed[f"P{layer}"] = data_start + p0
+            if p1 - p0 != h.n_tokens * row_bytes[PROBE]:
                 raise BadObject("probe copy of the wrong size")
-            offsets[PROBE, layer] = data_start + p0 + np.arange(nb) * ct * row_bytes[PROBE]
     except (KeyError, TypeError, ValueError) as exc:
         raise BadObject(f"object header incomplete: {exc}") from exc
+    offsets = h.offsets(placed, row_bytes[PROBE])
     ends = offsets + sizes[None, None, :] * np.array(row_bytes, dtype=np.int64)[:, None, None]
     if offsets.min() < data_start or ends.max() > size:
         raise BadObject("object truncated")
-    context = context_digest(tokens[:first_pos])
+    new_file = h.new_file("safetensors", offsets, row_bytes, size)
     if verify:
-        seeds = block_seeds(file_seed(uid, context, first_pos, rows, perm), *np.indices((2, layers, nb)))
+        seeds = block_seeds(
+            file_seed(uid, new_file.context, h.first_pos, new_file.tokens, h.perm), *np.indices(h.checksums.shape)
+        )
         view = memoryview(data)
-        for idx in np.ndindex(2, layers, nb):
-            if checksum(view[offsets[idx] : ends[idx]], int(seeds[idx])) != int(checksums[idx]):
+        for idx in np.ndindex(*h.checksums.shape):
+            if checksum(view[offsets[idx] : ends[idx]], int(seeds[idx])) != int(h.checksums[idx]):
                 raise BadObject(f"block {idx} fails its checksum")
-    nbytes = int((ends - offsets)[KV].sum()) + layers * n * row_bytes[PROBE]
-    new_file = NewFile(f"{uid.hex()}.safetensors", "safetensors", first_pos, rows, context, ct, layers, offsets, checksums, nbytes, size, perm)
-    return ParsedObject(new_file, tokens, new_file.name, data_start, own)
+    return ParsedObject(new_file, h.tokens, new_file.name, data_start, own)

@@ -260,12 +260,7 @@ class RemoteTier:
         if leaf is None:
             return
         with self._catalog.lock:
-            path: list[RadixNode] = []
-            node: RadixNode | None = leaf
-            while node is not None and node.parent is not None:
-                path.append(node)
-                node = node.parent
-            path.reverse()
+            path = leaf.path()
             files: list[list] = []
             pos = 0
             for nd in path:
@@ -277,7 +272,7 @@ class RemoteTier:
                 else:
                     files.append([rec.name, rec.first_pos, pos + len(nd.tokens)])
                 pos += len(nd.tokens)
-            tokens = np.concatenate([nd.tokens for nd in path]).astype(np.int64) if path else np.zeros(0, np.int64)
+            tokens = leaf.path_tokens().astype(np.int64)
         if pos == 0:
             return
         job = _Upload(tokens, tuple((a, b, c) for a, b, c in files))
@@ -385,14 +380,16 @@ class RemoteTier:
 
     # -- life cycle ----------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for pending uploads (each ends uploaded or dropped within ``remote_retry_s``)."""
+        """Wait for pending uploads (each ends uploaded or dropped within ``remote_retry_s``)
+        and write the sidecars of linked files filled since their last save."""
         while True:
             with self._pending_lock:
                 pending, self._pending = self._pending, []
             if not pending:
-                return
+                break
             for f in pending:
                 f.result()
+        self.files.save()
 
     def close(self) -> None:
         self.flush()

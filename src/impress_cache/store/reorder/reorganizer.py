@@ -217,7 +217,7 @@ class Reorganizer:
         t0 = time.perf_counter()
         node = p.node
         between = self._between
-        path, n = _path_tokens(node), node.length
+        path, n = node.path_tokens(), node.length
         ks, vs, nbytes_read = self._read_node(node, between)
         new_file, name = self._write_rows(path, len(path) - n, ks, vs, p.order, between)
         try:
@@ -310,16 +310,6 @@ class Reorganizer:
 
 class _Stopped(Exception):
     """The store is closing: a rewrite in progress is abandoned (its file removed)."""
-
-
-def _path_tokens(node: RadixNode) -> np.ndarray:
-    """The tokens from the root to the end of ``node``."""
-    parts: list[np.ndarray] = []
-    n: RadixNode | None = node
-    while n is not None:
-        parts.append(n.tokens)
-        n = n.parent
-    return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int32)
 
 
 def block_shares(order: np.ndarray, important_ratio: float, chunk_tokens: int) -> np.ndarray:
