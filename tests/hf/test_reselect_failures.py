@@ -14,6 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from conftest import VOCAB, tiny_model
 from helpers import run, store_dense
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.hf.compat import CACHE_KWARG
 from impress_cache.storage.base import KV, PROBE
 from impress_cache.store import CHUNK_DIR
 
@@ -56,8 +57,8 @@ def test_the_leased_prefix_survives_eviction_while_rows_are_reselected(tmp_path)
         cache = ImpressCache(store, ids)
         evict = _EvictOnce(store)
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache,
-                                 logits_processor=LogitsProcessorList([evict]))
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, logits_processor=LogitsProcessorList([evict]),
+                                 **{CACHE_KWARG: cache})
         assert evict.result is not None and evict.result["removed_files"] == 0  # the request's lease held
         assert torch.equal(out, calm)
         assert cache.stats.reselections > 0 and cache.stats.quarantined_files == 0
