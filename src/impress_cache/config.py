@@ -113,6 +113,12 @@ class ImpressConfig:
         prefill's choice. ``1`` lifted same-position agreement at 2k from 0.566 to 0.777
         on the answers benchmark's held-apart texts, at about 0.7 of the prefix's bytes
         read per generated token (docs: Sparse loading); other values did worse than 0.
+    keep_reselect_decay:
+        With ``keep_reselect``: a re-selection ranks the rows by this token's share of
+        the probe heads' attention plus ``keep_reselect_decay`` times the previous
+        ranking of the layer, so rows that mattered to the last few tokens tend to
+        stay. On the tuning texts 0.5 (default) read 24 % fewer bytes than 0 with the
+        same answers; 0.8 read 46 % fewer and agreed slightly less.
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
@@ -225,6 +231,7 @@ class ImpressConfig:
     keep_sinks: int = 0
     keep_recent: int = 0
     keep_reselect: int = 0
+    keep_reselect_decay: float = 0.5
     kv_dtype: str = "auto"
     io_threads: int = 8
     device_bytes: int = 256 * 2**20
@@ -268,6 +275,7 @@ class ImpressConfig:
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)
         check_int("keep_reselect", self.keep_reselect, 0)
+        check_number("keep_reselect_decay", self.keep_reselect_decay, 0.0, 1.0)
         check_int("io_threads", self.io_threads, 1, 256)
         if not isinstance(self.prefetch, bool):
             check_choice("prefetch", self.prefetch, PREFETCH_MODES)

@@ -81,6 +81,10 @@ def test_reselect_every_n_tokens_and_off(tmp_path):
     every2, _, _ = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=2)
     layers = len(every2.layers)
     assert every2.stats.reselections == layers * (1 + (NEW - 1) // 2)  # the refresh, then steps 2, 4, ...
+    plain, _, plain_r = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=1, keep_reselect_decay=0.0)
+    decayed, _, decayed_r = _generate(tmp_path, model, ids, mask, **KEEP, keep_reselect=1, keep_reselect_decay=1.0)
+    assert plain.stats.reselections == decayed.stats.reselections == layers * NEW
+    assert not plain_r._ranked and decayed_r._ranked  # past rankings are kept only with a decay
     off, _, none = _generate(tmp_path, model, ids, mask, **KEEP)
     assert off.stats.reselections == 0 and off.stats.bytes_read_decode == 0
     assert none is None

@@ -54,6 +54,8 @@ class Reselector:
         self.question: dict[int, torch.Tensor] = {}
         #: a read failed: the request keeps the rows it holds from then on
         self.failed = False
+        #: per layer, per running row: the decayed sum of past probe scores (``keep_reselect_decay``)
+        self._ranked: dict[int, dict[int, torch.Tensor]] = {}
 
     def refresh(self, layers: list[Any], model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, reused: int) -> None:
         """Before the first decode step: every layer's rows chosen again with the new
@@ -89,8 +91,9 @@ class Reselector:
             held = self._held.setdefault(layer, {})
             for i, rows in chosen.items():
                 held.setdefault(i, rows)
-        for layer, rows in self._held.items():
-            self._held[layer] = {j: rows[i] for j, i in enumerate(idx) if i in rows}
+        for per_row in (self._held, self._ranked):
+            for layer, rows in per_row.items():
+                per_row[layer] = {j: rows[i] for j, i in enumerate(idx) if i in rows}
         for layer, q in self.question.items():
             self.question[layer] = q.index_select(0, indices.to(q.device))
 
@@ -126,7 +129,7 @@ class Reselector:
             if self.failed or lay is None or prev is None or raw is None or min(k, lay.length) == lay.length:
                 continue
             try:
-                rows = self._row(layer_idx, lay, min(k, lay.length), queries[i], key_states[i], loader.decode(raw),
+                rows = self._row(layer_idx, i, lay, min(k, lay.length), queries[i], key_states[i], loader.decode(raw),
                                  prev, keys[i], values[i], every_head)
             except (CorruptBlockError, StoreIOError, StoreFormatError) as exc:
                 # the rows held are still the stored K/V of their positions: keep them
@@ -144,7 +147,7 @@ class Reselector:
             stats.reselections += 1
             stats.reselect_seconds += time.perf_counter() - t0
 
-    def _row(self, layer_idx: int, lay: PrefixLayout, k_i: int, queries: torch.Tensor, new_keys: torch.Tensor,
+    def _row(self, layer_idx: int, i: int, lay: PrefixLayout, k_i: int, queries: torch.Tensor, new_keys: torch.Tensor,
              probe_keys: torch.Tensor, prev: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              every_head: bool) -> torch.Tensor:
         """One batch row: score, read what is not held, write the new rows over the held
@@ -163,6 +166,12 @@ class Reselector:
         sv.scatter_(1, at.unsqueeze(-1).expand(-1, -1, d), values[:, k - k_i : k])
         present.scatter_(1, at, True)
         scores = probe_scores(queries, new_keys, probe_keys, sp.store.probe.kv_heads)
+        if cfg.keep_reselect_decay > 0:  # this token's share of attention, plus the past's, decayed
+            scores = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+            past = self._ranked.get(layer_idx, {}).get(i)
+            if past is not None:
+                scores = scores + cfg.keep_reselect_decay * past
+            self._ranked.setdefault(layer_idx, {})[i] = scores
         forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
         if forced is not None:
             scores[:, forced] += 1e9  # above every scored row, as in the prefill
