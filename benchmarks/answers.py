@@ -93,6 +93,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-refresh": {"guard_margin": 0.0},  # defaults without the guard
     "keep": {"decode": "keep", "important_ratio": 0.25},
     "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
+    "keep-reselect1-d0": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1, "keep_reselect_decay": 0.0},
     "keep-reselect4": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 4},
     "guard40": {"guard_ratio": 0.4},
     "random-keep": {"selection": "random", "decode": "keep", "important_ratio": 0.25},

@@ -70,3 +70,24 @@ def store_dense(path, model, doc: torch.Tensor, config=None, new_tokens=8) -> No
 def blockset_of(layout, units, keys: torch.Tensor, values: torch.Tensor) -> BlockSet:
     """The K/V blocks of ``units`` cut from in-memory ``[H, P, D]`` keys and values."""
     return layout.blocks_from(keys, values, list(units))
+
+
+def tokens(seed: int, n: int) -> torch.Tensor:
+    """``n`` random token ids of the tiny models' vocabulary (ids >= 3), fixed by ``seed``."""
+    from conftest import VOCAB
+
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def stored_prompts(path, model, padded: bool, seeds=(1, 2, 3, 4), sizes=(400, 300, 280, 12, 9)):
+    """A stored document followed by new tokens; with ``padded`` a second row: a second
+    stored document, cut short, followed by new tokens. Returns ``(ids, mask)`` left-padded.
+    ``sizes``: first document, second document, its cut, new tokens of each row."""
+    a, b = tokens(seeds[0], sizes[0]), tokens(seeds[1], sizes[1])
+    store_dense(path, model, a.unsqueeze(0))
+    rows = [torch.cat([a, tokens(seeds[2], sizes[3])])]
+    if padded:
+        store_dense(path, model, b.unsqueeze(0))
+        rows.append(torch.cat([b[: sizes[2]], tokens(seeds[3], sizes[4])]))
+    return left_pad(rows)
+

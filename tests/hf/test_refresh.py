@@ -7,26 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
-from helpers import left_pad, run, store_dense
+from conftest import tiny_model
+from helpers import run, stored_prompts
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 
 DENSE = dict(chunk_tokens=16, important_ratio=1.0)
 SPARSE = dict(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full", guard_margin=0.0)
 
 
-def _tok(seed, n):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
-
-
 def _prompts(tmp_path, model, padded):
-    a, b = _tok(1, 400), _tok(2, 300)
-    store_dense(tmp_path, model, a.unsqueeze(0))
-    rows = [torch.cat([a, _tok(3, 12)])]
-    if padded:
-        store_dense(tmp_path, model, b.unsqueeze(0))
-        rows.append(torch.cat([b[:280], _tok(4, 9)]))
-    return left_pad(rows)
+    return stored_prompts(tmp_path, model, padded)
 
 
 def _generate(tmp_path, model, ids, mask, new_tokens=3, **cfg):

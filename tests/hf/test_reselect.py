@@ -6,26 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_model
-from helpers import left_pad, run, store_dense
+from conftest import tiny_model
+from helpers import run, stored_prompts
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 
 KEEP = dict(chunk_tokens=16, important_ratio=0.25, decode="keep", device_bytes=0, host_bytes=0)
 NEW = 4
 
 
-def _tok(seed, n):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
-
-
 def _prompts(tmp_path, model, padded):
-    a, b = _tok(11, 300), _tok(12, 240)
-    store_dense(tmp_path, model, a.unsqueeze(0))
-    rows = [torch.cat([a, _tok(13, 10)])]
-    if padded:
-        store_dense(tmp_path, model, b.unsqueeze(0))
-        rows.append(torch.cat([b[:230], _tok(14, 7)]))
-    return left_pad(rows)
+    return stored_prompts(tmp_path, model, padded, seeds=(11, 12, 13, 14), sizes=(300, 240, 230, 10, 7))
 
 
 def _generate(tmp_path, model, ids, mask, **cfg):

@@ -11,16 +11,12 @@ import shutil
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from conftest import VOCAB, tiny_model
-from helpers import run, store_dense
+from conftest import tiny_model
+from helpers import run, store_dense, tokens
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.hf.compat import CACHE_KWARG
 from impress_cache.storage.base import KV, PROBE
 from impress_cache.store import CHUNK_DIR
-
-
-def _tok(seed, n):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def _damage(path, model, doc, kind, layer, block):
@@ -47,9 +43,9 @@ class _EvictOnce(LogitsProcessor):
 
 def test_the_leased_prefix_survives_eviction_while_rows_are_reselected(tmp_path):
     model = tiny_model("llama", "sdpa")
-    doc = _tok(11, 300)
+    doc = tokens(11, 300)
     store_dense(tmp_path, model, doc.unsqueeze(0))
-    ids = torch.cat([doc, _tok(13, 10)]).unsqueeze(0)
+    ids = torch.cat([doc, tokens(13, 10)]).unsqueeze(0)
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", device_bytes=0, host_bytes=0,
                         keep_reselect=1)
     with ImpressStore(tmp_path, model, cfg) as store:
@@ -68,10 +64,10 @@ def test_the_leased_prefix_survives_eviction_while_rows_are_reselected(tmp_path)
 
 def test_a_request_that_recomputed_its_prefix_reselects_nothing(tmp_path):
     model = tiny_model("llama", "sdpa")
-    doc = _tok(9, 256)
+    doc = tokens(9, 256)
     store_dense(tmp_path, model, doc.unsqueeze(0))
     _damage(tmp_path, model, doc, PROBE, 1, 3)  # found mid-prefill: the prefix is recomputed
-    ids = torch.cat([doc, _tok(10, 8)]).unsqueeze(0)
+    ids = torch.cat([doc, tokens(10, 8)]).unsqueeze(0)
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", keep_reselect=1)
     with ImpressStore(tmp_path, model, cfg) as store:
         cache = ImpressCache(store, ids)
@@ -81,9 +77,9 @@ def test_a_request_that_recomputed_its_prefix_reselects_nothing(tmp_path):
 
 def test_a_damaged_block_in_the_wider_read_falls_back_to_the_whole_prefix(tmp_path):
     model = tiny_model("llama", "sdpa")
-    doc = _tok(1, 400)
+    doc = tokens(1, 400)
     store_dense(tmp_path, model, doc.unsqueeze(0))
-    ids = torch.cat([doc, _tok(3, 12)]).unsqueeze(0)
+    ids = torch.cat([doc, tokens(3, 12)]).unsqueeze(0)
     sparse = dict(chunk_tokens=16, important_ratio=0.1, similarity_threshold=0.0, decode="full",
                   guard_margin=100.0, device_bytes=0, host_bytes=0)
     with ImpressStore(tmp_path, model, ImpressConfig(**{**sparse, "guard_margin": 0.0})) as store:
