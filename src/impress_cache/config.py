@@ -110,15 +110,16 @@ class ImpressConfig:
         generated tokens each layer chooses again with the latest token's queries,
         reading the blocks of rows it does not hold (the encoded probe copies stay in
         memory). A layer still holds ``k`` prefix rows. ``0`` (default) keeps the
-        prefill's choice. ``1`` lifted same-position agreement at 2k from 0.566 to 0.777
-        on the answers benchmark's held-apart texts, at about 0.7 of the prefix's bytes
-        read per generated token (docs: Sparse loading); other values did worse than 0.
+        prefill's choice. ``1`` lifted same-position agreement at 2k from 0.566 to 0.767
+        on the answers benchmark's held-apart texts, at about half of the prefix's bytes
+        read per generated token (docs: Sparse loading); ``4`` did no better than ``0``.
     keep_reselect_decay:
         With ``keep_reselect``: a re-selection ranks the rows by this token's share of
         the probe heads' attention plus ``keep_reselect_decay`` times the previous
         ranking of the layer, so rows that mattered to the last few tokens tend to
-        stay. On the tuning texts 0.5 (default) read 24 % fewer bytes than 0 with the
-        same answers; 0.8 read 46 % fewer and agreed slightly less.
+        stay. Chosen on the tuning texts, where 0.5 (default) read 24 % fewer bytes than
+        0 with the same answers (0.8: 46 % fewer, slightly lower agreement); held apart
+        it read 25 % fewer and agreed 0.01 less.
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
