@@ -12,7 +12,9 @@ echo "== transformers $(.venv/bin/python -c 'from importlib.metadata import vers
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=1
 echo "== transformers $(.venv523/bin/python -c 'from importlib.metadata import version; print(version("transformers"))'): tests/hf"
 .venv523/bin/python -m pytest -q -p no:cacheprovider tests/hf || status=1
-if .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"; then
+site="$(mktemp -d)"
+trap 'rm -rf "$site"' EXIT  # the built site is only checked, not kept
+if .venv/bin/mkdocs build --strict -q -d "$site"; then
     echo "docs: mkdocs build --strict passed"
 else
     status=1
