@@ -95,7 +95,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
     "keep-reselect1-d0": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1, "keep_reselect_decay": 0.0},
     "keep-reselect4": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 4},
-    "guard40": {"guard_ratio": 0.4},
     "random-keep": {"selection": "random", "decode": "keep", "important_ratio": 0.25},
     "recent-keep": {"selection": "recent", "decode": "keep", "important_ratio": 0.25},
     "h2o-keep": {"selection": "h2o", "decode": "keep", "important_ratio": 0.25},

@@ -38,8 +38,6 @@ from impress_cache import ConfigError, ImpressConfig, ImpressStore
         ({"keep_reselect": 0.5}, "keep_reselect"),
         ({"keep_reselect_decay": 1.5}, "keep_reselect_decay"),
         ({"keep_reselect_decay": -0.1}, "keep_reselect_decay"),
-        ({"guard_ratio": 0.0}, "guard_ratio"),
-        ({"guard_ratio": 1.5}, "guard_ratio"),
     ],
 )
 def test_config_out_of_range(kwargs, field):

@@ -89,16 +89,6 @@ class ImpressConfig:
         reads nothing more). ``0`` disables the guard. The default 0.5 was chosen on the
         tuning half of the answers benchmark, where the sparse prefill's wrong first
         tokens had gaps of 0.33 to 0.75 nats.
-    guard_ratio:
-        What the uncertainty guard reads first: the rows ranking in the top
-        ``guard_ratio`` of the prefill's probe scores (whole blocks). The new tokens
-        are computed again against those rows; if the top-1/top-2 gap is then at
-        least ``guard_margin``, those logits give the first token, otherwise the
-        guard goes on to the whole prefix. ``None`` reads the whole prefix at once
-        (exact first token whenever the guard fires). Must exceed ``important_ratio``
-        to take effect. Measured at 0.4 on the answers benchmark, it cleared the margin
-        for none of the held-apart guarded requests and read more in all (docs: Sparse
-        loading), so it is off by default.
     keep_sinks, keep_recent:
         Prefix rows always selected in every layer of a sparse prefill: the first
         ``keep_sinks`` (attention sinks) and the last ``keep_recent`` (the text just
@@ -228,7 +218,6 @@ class ImpressConfig:
     decode: str = "full"
     refresh_new_tokens: bool = True
     guard_margin: float = 0.5
-    guard_ratio: float | None = None
     keep_sinks: int = 0
     keep_recent: int = 0
     keep_reselect: int = 0
@@ -271,8 +260,6 @@ class ImpressConfig:
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
         check_number("guard_margin", self.guard_margin, 0.0, 100.0)
-        if self.guard_ratio is not None:
-            check_unit("guard_ratio", self.guard_ratio, open_low=True)
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)
         check_int("keep_reselect", self.keep_reselect, 0)

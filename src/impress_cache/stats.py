@@ -31,15 +31,13 @@ class RequestStats:
     (the rest of the prefix, read after the prefill when ``decode="full"``, or the
     blocks that re-selections read with ``decode="keep"`` and ``keep_reselect``), or
     ``bytes_read_guard`` when the uncertainty guard read that rest before the first
-    token (``guard_triggered`` counts those requests, ``guard_widened`` those where the
-    top ``guard_ratio`` of the rows sufficed; ``first_token_margin`` is the
+    token (``guard_triggered`` counts those requests; ``first_token_margin`` is the
     smallest top-1/top-2 logit gap after a sparse prefill).
     ``reselections`` counts layer re-selections while decoding (``keep_reselect``), in
     ``reselect_seconds`` (scoring, reads and copies).
     ``refreshed_tokens`` counts new tokens whose K/V were computed again against the
     whole prefix (``refresh_new_tokens``; with ``decode="keep"`` and ``keep_reselect``,
-    against the rows re-selected before the first decode step), in ``refresh_seconds``
-    (which also holds the uncertainty guard's wider step, ``guard_ratio``).
+    against the rows re-selected before the first decode step), in ``refresh_seconds``.
     ``loaded_tokens`` counts the prefix rows each layer attended to during the prefill
     (summed over batch rows). ``bytes_unattended_rows`` is the part of the K/V blocks
     read from disk for the prefill that no attention head attends to (from each block's
@@ -80,7 +78,6 @@ class RequestStats:
     reselections: int = 0
     reselect_seconds: float = 0.0
     guard_triggered: int = 0
-    guard_widened: int = 0
     first_token_margin: float | None = None
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0

@@ -106,37 +106,3 @@ def test_after_the_refresh_later_steps_equal_dense(tmp_path):
     stale = (logits["stale"] - logits["dense"]).abs().max().item()
     assert fresh < 1e-5  # float noise (6e-8 here)
     assert stale > 10 * max(fresh, 1e-6)  # 2e-4 here: this tiny random model's logits are small
-
-
-def _gap(logits):
-    top2 = logits.float().topk(2, dim=-1).values
-    return float((top2[:, 0] - top2[:, 1]).min())
-
-
-def test_guard_widens_before_reading_the_whole_prefix(tmp_path):
-    """``guard_ratio``: the guard first recomputes the new tokens over the top rows of every
-    layer; when that clears ``guard_margin`` those logits give the first token (with
-    ``guard_ratio=1.0`` they are exact, padded rows included), otherwise the guard reads the
-    whole prefix as before."""
-    model = tiny_model("llama", "sdpa")
-    ids, mask = _prompts(tmp_path, model, True)
-    sparse = {**SPARSE, "device_bytes": 0, "host_bytes": 0}  # every read counted from disk
-    _, dseq, dlogits = _generate(tmp_path, model, ids, mask, **DENSE)
-    sparse_gap = _generate(tmp_path, model, ids, mask, **{**sparse, "guard_margin": 100.0})[0].stats.first_token_margin
-    dense_gap = _gap(dlogits[:, 0])
-    assert sparse_gap < dense_gap  # this prompt's sparse prefill is less sure than dense reuse
-    between = (sparse_gap + dense_gap) / 2
-    cache, seq, logits = _generate(tmp_path, model, ids, mask, **{**sparse, "guard_margin": between, "guard_ratio": 1.0})
-    s = cache.stats
-    assert s.guard_triggered == 1 and s.guard_widened == 1
-    assert (logits[:, 0] - dlogits[:, 0]).abs().max() < 1e-4  # every row: exact first-step logits
-    assert torch.equal(seq, dseq)  # and, with the prefix restored after the first token, exact decoding
-    assert s.bytes_read_guard > 0 and s.bytes_read_decode > 0  # the rest of the prefix came after the first token
-    # a margin the wider rows do not clear either: the whole prefix, exact as before
-    full, fseq, flogits = _generate(tmp_path, model, ids, mask, **{**sparse, "guard_margin": 100.0, "guard_ratio": 0.5})
-    assert full.stats.guard_triggered == 1 and full.stats.guard_widened == 0
-    assert (flogits - dlogits).abs().max() < 1e-4 and torch.equal(fseq, dseq)
-    # a wider read at half the rows reads less before the first token than the whole prefix
-    half, _, _ = _generate(tmp_path, model, ids, mask, **{**sparse, "guard_margin": 1e-9 + sparse_gap, "guard_ratio": 0.5})
-    assert half.stats.guard_triggered == 1
-    assert half.stats.bytes_read_guard < full.stats.bytes_read_guard

@@ -20,22 +20,19 @@ attention mask hides.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..errors import CacheUsageError, CorruptBlockError, StoreFormatError, StoreIOError
+from ..errors import CacheUsageError
 from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
 from .refresh import recompute_new_tokens
 from .request import PrefixRequest
-
-log = logging.getLogger(__name__)
 
 
 class ImpressLayer(DynamicLayer):
@@ -363,36 +360,9 @@ class ImpressCache(Cache):
         if margin >= self.store.config.guard_margin or not req.full_pending:
             return
         req.stats.guard_triggered += 1
-        wider = self._wider_logits(req)
-        if wider is not None and _gap(wider) >= self.store.config.guard_margin:
-            req.stats.guard_widened += 1
-            logits[:, -1] = wider.to(logits.device, logits.dtype)
-            return
         exact = self._restore_full(req, True, True)
         assert exact is not None
         logits[:, -1] = exact.to(logits.device, logits.dtype)
-
-    def _wider_logits(self, req: PrefixRequest) -> torch.Tensor | None:
-        """The guard's first step (``guard_ratio``): the logits after the prompt with the
-        new tokens computed again against the top ``guard_ratio`` rows of every layer
-        (``None``: not configured, or nothing to rank by)."""
-        ratio = self.store.config.guard_ratio
-        sparse = req.sparse
-        if ratio is None or sparse is None or ratio <= self.store.config.important_ratio:
-            return None
-        t0 = time.perf_counter()
-        try:
-            wide = sparse.load_wider(req.rows.tolist(), ratio)
-        except (CorruptBlockError, StoreIOError, StoreFormatError) as exc:  # the whole-prefix read recovers
-            log.info("the guard's wider read failed (%s); reading the whole prefix", exc)
-            return None
-        if wide is None:
-            return None
-        prefix, held = wide
-        dtype = self.layers[0].keys.dtype
-        _, logits = recompute_new_tokens(self.store.model, req.ids, req.mask, req.reused, prefix, dtype, held)
-        req.stats.refresh_seconds += time.perf_counter() - t0
-        return logits
 
     # -- the cache protocol --------------------------------------------------------------
     def update(

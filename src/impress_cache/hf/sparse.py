@@ -18,8 +18,7 @@ import torch
 
 from ..errors import CacheUsageError, CorruptBlockError
 from ..selection.modes import BASELINES
-from ..selection.scores import select_units
-from ..selection.selectors import RowSelection, kept_rows, select_row, top_masks
+from ..selection.selectors import RowSelection, select_row, top_masks
 from ..stats import RequestStats
 from ..storage.base import KV
 from ..store.blocks import PendingRead
@@ -299,58 +298,6 @@ class SparsePrefill:
             if all(r is not None for r in ranks):  # one top-k over every layer
                 imp = top_masks(torch.stack(ranks), min(self.k, lay.length)).numpy()  # type: ignore[arg-type]
             self.store.record_importance(lay.segments, imp, blocks, rows)
-
-    def load_wider(self, rows: list[int], ratio: float) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None:
-        """The uncertainty guard's first step: per layer, the prefix rows ranking in the
-        top ``ratio`` of the prefill's probe scores (whole blocks, as the prefill chose),
-        read now (blocks the prefill read are reused). Returns per layer ``[len(rows),
-        kv_heads, m, head_dim]`` keys and values, right-aligned, and the ``[len(rows), m]``
-        mask of the rows held; ``None`` when a layer has no scores to rank by."""
-        spec, cfg = self.store.spec, self.store.config
-        lays = [self.layouts[r] for r in rows]
-        plans: list[tuple[int, PrefixLayout, int] | None] = []
-        for row, lay in zip(rows, lays):
-            if lay is None:
-                plans.append(None)
-                continue
-            # at least the prefill's k rows (whole blocks made k larger than its ratio)
-            m_i = min(lay.length, max(round(ratio * lay.length), min(self.k, lay.length)))
-            if lay.length > self.k and any(self._importance.get(row, {}).get(la) is None for la in range(spec.num_layers)):
-                return None  # a layer without scores (recomputed rows): nothing to rank by
-            plans.append((row, lay, lay.length if lay.length <= self.k else m_i))
-        m = max((p[2] for p in plans if p is not None), default=0)
-        if m == 0:
-            return None
-        held = torch.zeros(len(rows), m, dtype=torch.long)
-        out = []
-        for layer in range(spec.num_layers):
-            kv = torch.zeros((2, len(rows), spec.num_kv_heads, m, spec.head_dim), dtype=spec.torch_kv_dtype)
-            for i, plan in enumerate(plans):
-                if plan is None:
-                    continue
-                row, lay, m_i = plan
-                view = lay.at(layer)
-                if m_i == lay.length:
-                    pos = torch.arange(lay.length)
-                else:
-                    ranking = self._importance[row][layer]
-                    assert ranking is not None
-                    forced = kept_rows(lay.length, cfg.keep_sinks, cfg.keep_recent)
-                    if forced is not None:  # the rows the prefill always keeps stay
-                        ranking = ranking.clone()
-                        ranking[forced] += 1e9
-                    pos = select_units(ranking, view.unit_of, m_i)
-                units = view.units_for(pos)
-                read = self.store.start_layout(lay, KV, [layer], units, known=self.memo, decode=True).result()
-                self.stats.bytes_read_guard += read.stats.disk_bytes
-                self.stats.bytes_read_disk += read.stats.disk_bytes
-                self.stats.blocks_read += read.stats.disk_blocks
-                k, v = view.gather(units, read, pos)
-                kv[0, i, :, m - m_i :] = k
-                kv[1, i, :, m - m_i :] = v
-                held[i, m - m_i :] = 1
-            out.append((kv[0], kv[1]))
-        return out, held
 
     def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """Every prefix row of the planned batch rows ``rows`` (the blocks read during the
