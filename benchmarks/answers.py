@@ -15,8 +15,8 @@ step's next-token distribution (dense || variant).
 Prefixes: 1k, 2k, 4k and 8k tokens (8,000: the model has 8,192 positions) of
 ``pydoc_data.topics`` prose and of standard-library source, two texts of each kind and
 length. Three facts are planted in every text (a pass key, a city, a reviewer's name, at
-depths chosen by hash), and 8 questions are asked of each: the three facts and five
-open questions about the text. One of the two texts of every kind and length is
+depths chosen by hash), and up to 10 questions are asked of each (``--questions``): the three
+facts and seven open questions about the text. One of the two texts of every kind and length is
 held apart by a hash (``--split heldout``); tuning runs use the other (``--split tune``).
 Each prefix is stored once (in ``--work``, kept between runs) and every question and
 variant reuses it; the dense references are kept there too.
