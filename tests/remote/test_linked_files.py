@@ -219,3 +219,61 @@ def test_an_object_of_another_header_version_is_refused(tmp_path):
     assert other != data
     with pytest.raises(BadObject, match="version"):
         parse_object(other, None, *args)
+
+
+def _two_views(bucket, tmp_path):
+    """Two processes' views (`RemoteFiles`) of one store directory, an object of 64 KiB in
+    the session's SeaweedFS bucket, and a linked file name."""
+    import os
+
+    _, _, backend = bucket
+    data = bytes(range(1, 256)) * 257
+    backend.put("obj", data)
+    (tmp_path / "chunks").mkdir()
+    fd = os.open(tmp_path / "chunks", os.O_RDONLY | os.O_DIRECTORY)
+    views = [lazy.RemoteFiles(tmp_path, fd, backend, lambda n, b: None, fsync=False) for _ in range(2)]
+    return views, fd, data, "ab" * 16 + ".safetensors"
+
+
+def test_a_file_linked_again_under_its_name_is_not_taken_for_the_old_one(bucket, tmp_path):
+    """Another process evicts a linked file and links the object again under the same
+    name: the new file usually gets the same inode number back, and the index id (never
+    reused) tells this process that it knows nothing of it."""
+    import os
+
+    (a, b), fd, data, local = _two_views(bucket, tmp_path)
+    try:
+        assert a.create(local, "obj", len(data), data[:100])
+        a.fill(1, local, np.array([4096]), np.array([4096]))  # a knows [4096, 8192) is here
+        b.drop(local)
+        os.unlink(local, dir_fd=fd)  # b evicts it ...
+        assert b.create(local, "obj", len(data), data[:100])  # ... and links it again (index id 2)
+        a.fill(2, local, np.array([4096]), np.array([4096]))
+        assert (tmp_path / "chunks" / local).read_bytes()[4096:8192] == data[4096:8192]  # fetched, not holes
+    finally:
+        a.close()
+        b.close()
+        os.close(fd)
+
+
+def test_a_file_another_process_completed_is_read_when_its_object_is_gone(bucket, tmp_path):
+    """This process still thinks a file is linked; another one fetched every range and
+    removed the sidecar, then the object left the remote: the fill finds the file
+    complete instead of failing (and quarantining a good file)."""
+    import os
+
+    (a, b), fd, data, local = _two_views(bucket, tmp_path)
+    _, _, backend = bucket
+    try:
+        assert a.create(local, "obj", len(data), data[:100])
+        assert a.linked(local, 1) and b.linked(local, 1)
+        b.fill(1, local, np.array([100]), np.array([len(data) - 100]))  # b completes it
+        assert not b.linked(local, 1)
+        backend.delete(["obj"])
+        a.fill(1, local, np.array([4096]), np.array([4096]))  # no CorruptBlockError
+        assert not a.linked(local, 1)
+        assert (tmp_path / "chunks" / local).read_bytes() == data
+    finally:
+        a.close()
+        b.close()
+        os.close(fd)

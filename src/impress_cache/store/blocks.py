@@ -282,7 +282,7 @@ class BlockIO:
                 work.append(FileBlocks(
                     f.record.id, f.path, self._catalog.fd(f), t.offsets[kind, la, bl], nbytes[sel],
                     t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes,
-                    None if self.fill is None or not self.fill.linked(f.record.name)
+                    None if self.fill is None or not self.fill.linked(f.record.name, f.record.id)
                     else functools.partial(self.fill.fill, f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel]),
                 ))
             plan.batch = self._reader.submit(work, memoryview(flat))

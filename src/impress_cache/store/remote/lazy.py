@@ -85,6 +85,9 @@ class _Lazy:
         self.size = size
         self.data_start = data_start
         self.ino = ino
+        #: the index id of the file (never reused, unlike an inode number); ``None`` until
+        #: a read names it (a file this process linked is not indexed yet)
+        self.file_id: int | None = None
         self.lock = threading.Lock()
         #: present ranges the sidecar does not list yet, and when it was last written
         self.unsaved = False
@@ -156,7 +159,7 @@ class RemoteFiles:
         except OSError:
             return None
 
-    def _load(self, local: str, drop_bad: bool = False) -> _Lazy | None:
+    def _load(self, local: str, drop_bad: bool = False, file_id: int | None = None) -> _Lazy | None:
         """The sidecar of ``local`` (written by this or another process sharing the
         directory), installed; ``None`` if it has none (remembered with the file's
         inode and change time)."""
@@ -185,12 +188,13 @@ class RemoteFiles:
             self._side_bytes[local] = disk_bytes(side_st)
             self._plain.pop(local, None)
             old = self._files.get(local)
-            if old is not None and old.ino == lz.ino:
+            if old is not None and old.ino == lz.ino and _same_file(old, file_id):
                 return old  # installed meanwhile by another thread: it may know more
+            lz.file_id = file_id
             self._files[local] = lz
             return lz
 
-    def _get(self, local: str) -> _Lazy | None:
+    def _get(self, local: str, file_id: int | None = None) -> _Lazy | None:
         if not local.endswith(".safetensors"):
             return None  # only safetensors files are linked
         st = self._stat(local)
@@ -198,18 +202,23 @@ class RemoteFiles:
             return None  # gone: its reader reports it
         with self._lock:
             lz = self._files.get(local)
-            if lz is not None and lz.ino == st.st_ino:
+            # the same inode number may be a new file (one evicted and linked again under
+            # its name): the index id tells them apart
+            if lz is not None and lz.ino == st.st_ino and _same_file(lz, file_id):
+                if lz.file_id is None:
+                    lz.file_id = file_id
                 return lz
             if lz is None and self._plain.get(local) == (st.st_ino, st.st_ctime_ns):
                 return None
         # first sight of this file (one another process of this directory committed, or
         # one that replaced the file this process knew under the name): its sidecar,
         # written before the commit, says whether it is linked
-        return self._load(local)
+        return self._load(local, file_id=file_id)
 
-    def linked(self, local: str) -> bool:
-        """Whether blocks of a local file may still have to come from the remote."""
-        return self._get(local) is not None
+    def linked(self, local: str, file_id: int | None = None) -> bool:
+        """Whether blocks of a local file (index id ``file_id``) may still have to come
+        from the remote."""
+        return self._get(local, file_id) is not None
 
     def object_of(self, local: str) -> str | None:
         """The remote object a lazily filled local file stands for."""
@@ -308,10 +317,34 @@ class RemoteFiles:
         starts = np.asarray(offsets, dtype=np.int64)
         ends = starts + np.asarray(sizes, dtype=np.int64)
         for _ in range(2):  # again once if the file was replaced under its name meanwhile
-            lz = self._get(local)
+            lz = self._get(local, file_id)
             if lz is None or self._fill(file_id, local, lz, starts, ends):
                 return
         raise CorruptBlockError(f"linked file {local} was replaced while it was filled", file_id)
+
+    def _completed_elsewhere(self, local: str, lz: _Lazy, starts: np.ndarray, ends: np.ndarray) -> bool:
+        """After a failed fetch: whether another process of this directory made the ranges
+        present meanwhile (its sidecar lists them now, or it completed the file and removed
+        the sidecar). Whatever is read is still checked block by block."""
+        st = self._stat(local)
+        if st is None or st.st_ino != lz.ino:
+            return False
+        try:
+            fd = os.open(self._side(local), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:  # completed: the process that fetched the last range removed it
+            with self._lock:
+                if self._files.get(local) is lz:
+                    del self._files[local]
+                self._plain[local] = (st.st_ino, st.st_ctime_ns)
+            return True
+        except OSError:
+            return False
+        try:
+            with os.fdopen(fd, "rb") as f:
+                lz.add([(int(a), int(b)) for a, b in json.loads(f.read())["present"]])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return not lz.missing(starts, ends)
 
     def _fill(self, file_id: int, local: str, lz: _Lazy, starts: np.ndarray, ends: np.ndarray) -> bool:
         """One `fill` of the file ``lz`` describes; False if the name holds another file now."""
@@ -323,6 +356,8 @@ class RemoteFiles:
             try:
                 parts = self._backend.get_ranges(lz.object, todo)
             except RemoteError as exc:
+                if self._completed_elsewhere(local, lz, starts, ends):
+                    return True
                 raise CorruptBlockError(f"blocks of {local} could not be fetched from the remote tier: {exc}", file_id) from exc
             try:
                 fd = os.open(local, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._chunks_fd)
@@ -352,3 +387,9 @@ class RemoteFiles:
             self._on_fetch(len(todo), sum(b - a for a, b in todo))
             log.debug("fetched %d ranges of %s in %.3f s", len(todo), local, time.perf_counter() - t0)
             return True
+
+
+def _same_file(lz: _Lazy, file_id: int | None) -> bool:
+    """Whether what this process knows (``lz``) may be about the indexed file ``file_id``."""
+    return file_id is None or lz.file_id is None or lz.file_id == file_id
+
