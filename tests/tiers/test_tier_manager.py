@@ -797,3 +797,14 @@ TestTierMachine.settings = settings(max_examples=120, stateful_step_count=40, de
 def test_math_sanity_of_default_shares() -> None:
     mgr = TierManager(1000, 0, LRUPolicy())
     assert math.isclose(sum(mgr.class_shares.values()), 1.0)
+
+
+def test_a_bad_share_fails_its_lookup_and_leaves_the_manager_usable() -> None:
+    mgr = TierManager(1000, 0, LRUPolicy())
+    mgr.put_from_disk("a", "A", 10, 1.0)
+    with pytest.raises((TypeError, ValueError)):
+        mgr.lookup(["a"], ["x"], [10])
+    assert mgr.pending_accesses == 0  # nothing of it was recorded
+    assert mgr.lookup(["a"], [1.0], [10]) == [(DEVICE, "A")]
+    assert len(mgr) == 1 and mgr.stats()
+

@@ -167,6 +167,9 @@ class TierManager(TierView):
         key ``None`` (a miss) or ``(tier, payload)`` where ``tier`` is the tier the block
         was found in (a host hit that `get` promotes still counts as a host hit).
         """
+        # a bad share fails here, as an eager access would, never later as a recorded one
+        # that every following call would retry
+        shares = [None if s is None else float(s) for s in shares]
         log = self._lock
         with log.raw, self._protecting(keys):
             if log.pending > MAX_PENDING:
