@@ -26,7 +26,7 @@ import torch
 from ..store.blockset import BlockSet, ReadStats
 from ..store.layout import LayerView
 from .modes import BASELINES
-from .scores import mean_jaccard_of, attention_column_scores, column_sums, select_units, similarity_threshold, topk_indices, vote
+from .scores import mean_jaccard_of, column_sums, select_units, similarity_threshold, topk_indices, vote
 
 #: reads units (indices into ``layout.units``) of one layer, given the selected positions
 #: (``[k]`` or ``[H, k]``, for the blocks' importance shares; ``None``: all rows used)
@@ -61,13 +61,9 @@ def normalised_sum(scores: torch.Tensor) -> torch.Tensor:
 
 
 def kv_head_scores(queries: torch.Tensor, prefix_keys: torch.Tensor, new_keys: torch.Tensor) -> torch.Tensor:
-    """``[Hkv, P]`` scores: column sums of every query head, summed within its KV group."""
-    hq = queries.shape[0]
-    hkv, p = prefix_keys.shape[0], prefix_keys.shape[1]
-    scores = attention_column_scores(
-        queries.unsqueeze(0), prefix_keys.float().unsqueeze(0), new_keys.float().unsqueeze(0)
-    )[0]  # [Hq, P]
-    return scores.view(hkv, hq // hkv, p).sum(dim=1)
+    """``[Hkv, P]`` scores of every KV head (from its full keys): `probe_scores` over all
+    KV heads."""
+    return probe_scores(queries, new_keys.float(), prefix_keys.float(), range(prefix_keys.shape[0]))
 
 
 def load_rows(
