@@ -238,15 +238,3 @@ def test_crash_leftovers_of_linking_are_removed_and_a_link_in_progress_is_left_a
         b._catalog.unlink(name)
         assert sorted(os.listdir(side_dir)) == [fresh.name]
 
-
-def test_the_readiness_poll_builds_its_client_once(seaweed):
-    """The readiness poll builds its client once."""
-    from impress_cache.tools.seaweed import SeaweedServer
-
-    probe = SeaweedServer(seaweed.data_dir)
-    probe.port = seaweed.port
-    assert probe._writable() and probe._writable()
-    assert probe._probe is not None
-    first = probe._probe
-    probe._writable()
-    assert probe._probe is first

@@ -176,3 +176,28 @@ def test_column_keys_are_the_records_keys(name, rows):
             "count": row[0], "freq": row[1], "share": row[2], "seq": row[3], "freq_time": row[4], "last_access": row[5],
         })
         assert (float(keys[i]), row[3]) == policy.sort_key(i, 0.0)
+
+
+def test_a_leaf_split_by_the_evicting_write_leaves_no_stale_candidate(tmp_path, monkeypatch):
+    """A write at the budget splits a leaf that its eviction passed over: the old node id
+    is not put back among the candidates (it is no longer in the tree)."""
+    from impress_cache import ImpressStore
+
+    monkeypatch.setattr(gc_mod, "wal_bound", lambda b: 0)
+    a = list(range(100, 140))
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        store.flush()
+        for s in range(5):
+            put(store, [7 + s] + list(range(200 + 40 * s, 239 + 40 * s)))
+            store.flush()
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        store.enforce_disk_budget()
+        size = store.disk_bytes()
+    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=size)) as store:
+        store.enforce_disk_budget()
+        put(store, a[:20] + list(range(900, 920)))  # splits a's leaf, evicts another prefix
+        store.flush()
+        assert store.stats()["prefixes_evicted"] >= 1
+        tree = store._catalog.tree
+        assert [n for n in store._values._queued if tree.get(n) is None] == []

@@ -397,7 +397,8 @@ class Removal:
         over back on the heap."""
         gc = self.gc
         gc._values.forget(self.victims)
-        gc._values.push(self.back)
+        # a node passed over may have been split by the write meanwhile: its id is gone
+        gc._values.push([n for n in self.back if gc._catalog.tree.get(n) is not None])
         gc._catalog.forget({rec.id for rec in self.dropped}, self.dropped)
 
     def release(self) -> None:

@@ -40,7 +40,6 @@ from .header import FILE_FORMAT, b64
 
 log = logging.getLogger(__name__)
 
-#: version of the chunk-file header written by this module
 
 
 @dataclass
