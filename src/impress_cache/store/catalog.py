@@ -414,9 +414,12 @@ class Catalog:
 
     def drop_file_if_unreferenced(self, conn: object, file_id: int) -> FileRecord | None:
         """`drop_unreferenced_files` for one file (an indexed lookup, not a scan)."""
-        rec = self.records.get(file_id) or self.index.file(file_id)
+        # a file another process added is read before its row goes; a loaded one only if it
+        # is dropped (most leaves share their file with another node)
+        rec = None if file_id in self.records else self.index.file(file_id)
         if not self.index.delete_file_if_unreferenced(conn, file_id):  # type: ignore[arg-type]
             return None
+        rec = rec or self.records.get(file_id)
         self._drop_record(file_id)
         return rec
 
