@@ -131,10 +131,17 @@ class StatsKeeper:
             log.warning("saving statistics failed; they will be saved on the next flush", exc_info=True)
 
     def load(self) -> int:
-        """Install the saved statistics; returns the number of block records."""
+        """Install the saved statistics; returns the number of block records. The node
+        statistics are read on the writer thread after the store opened, or by the first
+        call that needs them (`NodeValues.defer_saved`)."""
         now = self._tiers.now()
-        ids, cols = self._index.load_node_stats()
-        self._nodes.load_saved(ids, rebase_columns(cols, now))
+
+        def read_node_stats() -> tuple[Any, Any]:
+            ids, cols = self._index.load_node_stats(own_connection=True)  # (see NodeValues.defer_saved)
+            return ids, rebase_columns(cols, now)  # as if read at open
+
+        self._nodes.defer_saved(read_node_stats)
+        self._background(self._nodes.load_pending)
         if self._importance is not None:
             self._importance.load(self._index.load_importance())
         # memory tiers without a budget look nothing up and record nothing: their
