@@ -487,41 +487,25 @@ class Index:
             for r in rows
         }
 
-    def load_node_stats(self, own_connection: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Saved per-node statistics (a node's go with it: trigger ``node_removed``), as
         columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
         freq, share, age_s, seq, saved_at`` (wall-clock seconds). Rows are copied into
-        arrays sized up front, a chunk at a time (little transient memory).
-        ``own_connection``: read the last commit through a read-only connection of its
-        own, without this object's lock (callable while another thread of the process is
-        inside a transaction and waits for the caller)."""
-        if not own_connection:
-            with self._lock:
-                return _node_stats(self._conn)
-        conn = self._connect(self.path, True, 0)
-        try:
-            return _node_stats(conn)
-        finally:
-            conn.close()
-            release_free_heap()  # (its page cache)
-
-
-def _node_stats(conn: sqlite3.Connection) -> tuple[np.ndarray, np.ndarray]:
-    """`Index.load_node_stats` through ``conn``."""
-    # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
-    with gc_paused():
-        with _snapshot(conn):
-            (n,) = conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
-            ids, data, k, block = np.empty(n, np.int64), np.empty((n, 6), np.float64), 0, None
-            cur = conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
-            while rows := cur.fetchmany(2048):
-                block = np.array(rows, dtype=np.float64).reshape(-1, 7)
-                ids[k : k + len(rows)], data[k : k + len(rows)] = block[:, 0], block[:, 1:]
-                k += len(rows)
-        conn.execute("PRAGMA shrink_memory")
-    del rows, block
-    release_free_heap()
-    return ids, data
+        arrays sized up front, a chunk at a time (little transient memory)."""
+        # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
+        with self._lock, gc_paused():
+            with _snapshot(self._conn):
+                (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
+                ids, data, k, block = np.empty(n, np.int64), np.empty((n, 6), np.float64), 0, None
+                cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
+                while rows := cur.fetchmany(2048):
+                    block = np.array(rows, dtype=np.float64).reshape(-1, 7)
+                    ids[k : k + len(rows)], data[k : k + len(rows)] = block[:, 0], block[:, 1:]
+                    k += len(rows)
+            self._conn.execute("PRAGMA shrink_memory")
+        del rows, block
+        release_free_heap()
+        return ids, data
 
 
 #: the methods that decode values read back (where a malformed value means damage)

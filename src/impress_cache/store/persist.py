@@ -71,11 +71,14 @@ class StatsKeeper:
         interval_s: float | None,
         background: Callable[[Callable[[], Any]], None],
         importance: ImportanceStats | None = None,
+        guard: Any = None,
     ) -> None:
         self._index = index
         self._tiers = tiers
         self._nodes = nodes
         self._importance = importance
+        #: held around reading the deferred node statistics (the catalog's lock)
+        self._guard = guard if guard is not None else threading.RLock()
         self._interval = interval_s
         self._background = background
         self._lock = threading.Lock()
@@ -137,10 +140,10 @@ class StatsKeeper:
         now = self._tiers.now()
 
         def read_node_stats() -> tuple[Any, Any]:
-            ids, cols = self._index.load_node_stats(own_connection=True)  # (see NodeValues.defer_saved)
+            ids, cols = self._index.load_node_stats()
             return ids, rebase_columns(cols, now)  # as if read at open
 
-        self._nodes.defer_saved(read_node_stats)
+        self._nodes.defer_saved(read_node_stats, self._guard)
         self._background(self._nodes.load_pending)
         if self._importance is not None:
             self._importance.load(self._index.load_importance())

@@ -166,7 +166,8 @@ class ImpressStore:
             self.activity,
         )
         self._stats = StatsKeeper(
-            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background, self._importance
+            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background,
+            self._importance, self._catalog.lock,
         )
         self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
             self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
@@ -188,8 +189,7 @@ class ImpressStore:
             self._writer.start_scan(lambda: remove_leftovers(self._catalog, cfg.file_mode), not len(self._catalog.records))
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
-        n_files = len(self._catalog.records)
-        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), n_files, loaded)
+        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), len(self._catalog.records), loaded)
 
     def _policy_kwargs(self) -> dict[str, Any]:
         cfg = self.config

@@ -64,24 +64,31 @@ class NodeValues:
         self._waiting = np.zeros(0, bool)
         #: reads the saved statistics (`defer_saved`) until they are loaded
         self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+        self._guard: Any = None
 
     # -- saved statistics, installed when first needed -------------------------------------
-    def defer_saved(self, read: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+    def defer_saved(self, read: Callable[[], tuple[np.ndarray, np.ndarray]], guard: Any) -> None:
         """Read the saved statistics (``read() -> (ids, columns)``, as `load_saved`
         takes them) at the first call of any method below, or at `load_pending`: opening
-        a store does not wait for them."""
+        a store does not wait for them. ``guard`` (the catalog's lock, under which every
+        index transaction runs) is held around the read, taken before this object's
+        lock: a thread inside a transaction that calls in here holds it already, and no
+        thread waits for it while holding this object's lock."""
         with self._lock:
-            self._pending = read
+            self._pending, self._guard = read, guard
 
     def load_pending(self) -> None:
         """Read the deferred saved statistics now, if they are still to read."""
-        with self._lock:
-            self._ensure()
+        self._ensure()
 
     def _ensure(self) -> None:
-        """(Under the lock.) Nothing is recorded before the saved statistics are in:
+        """(Not under the lock.) Nothing is recorded before the saved statistics are in:
         what was saved comes first, as if read at open."""
-        if self._pending is not None:
+        if self._pending is None:
+            return
+        with self._guard, self._lock:
+            if self._pending is None:
+                return
             read, self._pending = self._pending, None
             try:
                 self._load_saved(*read())
@@ -137,8 +144,8 @@ class NodeValues:
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
         now = self._clock()
+        self._ensure()
         with self._lock:
-            self._ensure()
             for node_id in node_ids:
                 self._take(node_id)
                 self._policy.on_access(node_id, now, share)
@@ -146,8 +153,8 @@ class NodeValues:
                 self._push(node_id, now)
 
     def seed(self, node_id: int) -> None:
+        self._ensure()
         with self._lock:
-            self._ensure()
             now = self._clock()
             self._take(node_id)
             self._policy.seed(node_id, now, 1.0)
@@ -155,8 +162,8 @@ class NodeValues:
             self._push(node_id, now)
 
     def inherit(self, old_id: int, new_ids: Iterable[int]) -> None:
+        self._ensure()
         with self._lock:
-            self._ensure()
             now = self._clock()
             new_ids = list(new_ids)
             self._take(old_id)
@@ -171,8 +178,8 @@ class NodeValues:
                 self._push(node_id, now)
 
     def forget(self, node_ids: Iterable[int]) -> None:
+        self._ensure()
         with self._lock:
-            self._ensure()
             for node_id in node_ids:
                 self._drop_saved(node_id)
                 self._policy.forget(node_id)
@@ -181,14 +188,14 @@ class NodeValues:
 
     def sort_key(self, node_id: int) -> tuple[float, int]:
         """Eviction order: lower goes first (see `EvictionPolicy.sort_key`)."""
+        self._ensure()
         with self._lock:
-            self._ensure()
             self._take(node_id)
             return self._policy.sort_key(node_id, self._clock())
 
     def priority(self, node_id: int) -> float:
+        self._ensure()
         with self._lock:
-            self._ensure()
             self._take(node_id)
             return float(self._policy.priority(node_id, self._clock()))
 
@@ -206,8 +213,8 @@ class NodeValues:
 
     def load(self, records: Iterable[tuple[int, dict[str, Any]]]) -> int:
         n = 0
+        self._ensure()
         with self._lock:
-            self._ensure()
             now = self._clock()
             for node_id, rec in records:
                 self._drop_saved(node_id)
@@ -220,10 +227,10 @@ class NodeValues:
     def push(self, node_ids: Iterable[int]) -> None:
         """Give nodes a heap item with their current key (nodes that may have become
         leaves, or that a caller popped and puts back)."""
+        if not self.ordering:
+            return
+        self._ensure()
         with self._lock:
-            if not self.ordering:
-                return
-            self._ensure()
             now = self._clock()
             for node_id in node_ids:
                 self._push(node_id, now)
@@ -239,10 +246,10 @@ class NodeValues:
     def reset_order(self, node_ids: Iterable[int], start: bool = False) -> None:
         """Start the heap again with exactly ``node_ids`` (the tree's leaves, after it
         was loaded); ``start`` keeps the heap from now on."""
+        if not (self.ordering or start):
+            return
+        self._ensure()
         with self._lock:
-            if not (self.ordering or start):
-                return
-            self._ensure()
             self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
@@ -276,8 +283,8 @@ class NodeValues:
     def pop(self) -> int | None:
         """The queued node with the lowest current key, taken off the heap (``None``
         when the heap is empty). The caller pushes it back if it does not remove it."""
+        self._ensure()
         with self._lock:
-            self._ensure()
             now = self._clock()
             heap = self._heap
             while heap:
