@@ -47,3 +47,37 @@ def test_saved_node_values_come_back(tmp_path, policy, install):
         store._values.access([ids[1]])
         if policy == "lru":
             assert store._values.sort_key(ids[1]) == max(store._values.sort_key(i) for i in ids)
+
+
+def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path, monkeypatch):
+    """Opening does not read the node statistics (the writer thread does, as its first
+    job); a request that comes before it reads them itself, and its access counts on top."""
+    import threading
+
+    from impress_cache.store.writer import PromptWriter
+
+    toks = _prompts()[2]
+    with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
+        for p in _prompts():
+            put(store, p)
+        leaf = store.match(toks).segments[-1].node.id
+        for _ in range(3):
+            store.lease([store.match(toks)]).release()
+        saved = store._values._policy.stats_of(leaf)["count"]
+    assert saved >= 3
+    go = threading.Event()
+    background = PromptWriter.background
+    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    store = ImpressStore(tmp_path, _model(), cfg(policy="lfu"))
+    try:
+        assert store._values._pending is not None  # not read while opening
+        store.lease([store.match(toks)]).release()  # the request's access: the saved ones come first
+        assert store._values._pending is None
+        assert store._values._policy.stats_of(leaf)["count"] == saved + 1
+    finally:
+        go.set()
+        store.close()
+    with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
+        store.flush()  # the writer thread read them
+        assert store._values._pending is None
+        assert store._values._policy.stats_of(leaf)["count"] == saved + 1
