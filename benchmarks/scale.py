@@ -14,26 +14,35 @@ about attention. K/V written by the growth phase are random tensors of the right
 
 At each size:
 
-* **below the budget**: write throughput (prompts/s of ``put_async`` windows of 200,
-  until flushed) while requests run on the main thread; ImpressCache construction p50/p99
-  and ``generate`` (4 new tokens) p50 of requests that reuse a stored prompt and add 8
-  tokens;
-* **at the budget**: ``disk_bytes`` is set to the store's current size, and the same
-  writes and requests run again; every write then removes about one stored prompt. Also
-  eviction seconds per write (mean and p99): the removals inside the write's own index
-  transaction (`StoreGC.evict_within`; their commit is the write's) plus
-  `ImpressStore.enforce_disk_budget` after it. Then the budget is lifted and the store
-  grows on;
-* **open**: in a fresh process, `ImpressStore(path, None)` seconds and the growth of its
-  resident set (VmRSS) per stored token (distinct tokens in the index), without memory
-  tiers; and the RSS with the default tiers, which also hold the saved block
-  statistics of the requests that ran (how many depends on how long the phases took);
+* **below and at the budget**: ``--writes`` writes (default 400) of ``put_async`` in the
+  background while requests run on the main thread, in ``--windows`` pairs of windows
+  (default 8: 50 writes each, flushed at the end) that alternate below, at, at, below,
+  below, at, ...: a below-budget window lifts ``disk_bytes``; an at-budget window sets
+  it to what the store counts at its start (its bytes on disk with the WAL's room,
+  `StoreGC._used`), so every write in it removes about one stored prompt. Reported per
+  phase: the median window's write rate (prompts/s until flushed) and every window's,
+  ImpressCache construction p50/p99 and ``generate`` (4 new tokens) p50 of requests that
+  reuse a stored prompt and add 8 tokens; at the budget also eviction seconds per write
+  (mean and p99): the removals inside the write's own index transaction
+  (`StoreGC.evict_within`; their commit is the write's) plus
+  `ImpressStore.enforce_disk_budget` after it. ``throughput_ratio`` is the median over
+  the pairs of at / below (interleaving puts a slow spell of the shared disk or CPU on
+  both phases; a window's rate varies by +-30% on a busy machine). Then the budget is
+  lifted and the store grows on;
+* **open**: in a fresh process, `ImpressStore(path, None)` seconds (``open_s``: until
+  the constructor returns; ``ready_s``: until the work it leaves to the writer thread,
+  the node statistics and the crash-leftover scan, is done, `flush`) and the growth of
+  its resident set (VmRSS, measured after that work) per stored token (distinct tokens
+  in the index), without memory tiers; and the RSS with the default tiers, which also
+  hold the saved block statistics of the requests that ran (how many depends on how
+  long the phases took);
 * **match**: `ImpressStore.match` of stored prompts plus 8 new tokens, p50/p99;
 * **footprint**: `store.disk_bytes()` (what the budget counts) and ``du`` of the store
   over the raw K/V bytes of the stored tokens.
 
 The machine is shared with other jobs: timings are noisy; the ratios compare runs of the
-same process at the same size.
+same process at the same size. ``--keep DIR`` keeps the built store (``DIR/store``);
+``--keep DIR --reuse --sizes N`` measures that store again without growing it.
 """
 
 from __future__ import annotations
