@@ -145,8 +145,9 @@ class StatsKeeper:
 
         self._nodes.defer_saved(read_node_stats, self._guard)
         self._background(self._nodes.load_pending)
-        if self._importance is not None:
-            self._importance.load(self._index.load_importance())
+        if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
+            self._importance.defer(self._index.load_importance, self._guard)
+            self._background(self._importance.load_pending)
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []
