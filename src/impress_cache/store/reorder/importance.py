@@ -208,5 +208,5 @@ class ImportanceStats:
                 if scores.shape[0] != self.layers:
                     continue
                 at = now - max(0.0, wall - saved_at)
-                self._nodes[node_id] = NodeImportance(scores.astype(np.float16), float(requests), int(pending), at)
+                self._nodes[node_id] = NodeImportance(scores.astype(np.float16, copy=False), float(requests), int(pending), at)
         return len(records)
