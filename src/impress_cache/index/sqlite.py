@@ -260,6 +260,11 @@ class Index:
             rows = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files").fetchall()
         return [_record(r) for r in rows]
 
+    def has_file(self, name: str) -> bool:
+        """Whether a file of that name is in the index (an indexed lookup)."""
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM files WHERE name=?", (name,)).fetchone() is not None
+
     def file_names(self) -> dict[int, str]:
         with self._lock:
             return dict(self._conn.execute("SELECT id, name FROM files").fetchall())

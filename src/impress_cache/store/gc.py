@@ -328,7 +328,10 @@ class StoreGC:
         except BaseException:
             catalog.reload_tree()
             raise
-        Removal(self, victims, dropped, back).settle()
+        try:
+            Removal(self, victims, dropped, back).settle()
+        except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
+            catalog.after_commit_failed("the disk budget's bookkeeping", exc)
         return len(victims), dropped, exhausted
 
     def _remove_leaves(

@@ -531,6 +531,10 @@ class ImpressStore:
             selected row, over every layer of those requests; ``1 / chunk_tokens`` is
             the least possible).
 
+            ``after_commit_failures``: steps after a committed index transaction that
+            failed (the tree update, the removals' bookkeeping); what was committed
+            stays, and the tree was reloaded from the index.
+
             ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one.
         """
         out = build_stats(
@@ -538,6 +542,7 @@ class ImpressStore:
             len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats())
+        out["after_commit_failures"] = self._catalog.after_commit_failures
         out["remote"] = self._remote.stats()
         return out
 
@@ -545,6 +550,7 @@ class ImpressStore:
         """Zero the counters of `stats` (tier residency and block statistics stay)."""
         self._writer.counters = type(self._writer.counters)()
         self._gc.counters = type(self._gc.counters)()
+        self._catalog.after_commit_failures = 0
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()

@@ -238,12 +238,10 @@ class RemoteTier:
         try:
             done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
         except BaseException:
-            self.files.drop(name)
-            cat.unlink(name)
+            cat.discard(name)  # (its sidecar with it)
             raise
         if done is None:
-            self.files.drop(name)
-            cat.unlink(name)
+            cat.discard(name)
             return
         self.counters.objects_linked += 1
         file_id, leaf = done
