@@ -92,3 +92,31 @@ def test_a_failure_after_the_commit_keeps_the_prompt(tmp_path, monkeypatch, capl
     script = _REUSE.format(tests=str(ROOT / "tests"), seed=2, path=str(tmp_path), cfg=cfg)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "reused" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_failure_after_a_rewrite_commits_keeps_the_rewritten_file(tmp_path, monkeypatch):
+    """The reorganiser's replacement commits, then its tree update fails: the rewritten
+    file (which the index now references) stays and serves exact rows, here and after a
+    reopen."""
+    from test_reorder import _model, assert_reads_exact, cfg, put, scatter
+
+    toks = list(range(3, 67))
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, toks)
+        for _ in range(4):
+            scatter(store, toks)
+        calls = _fail_once(monkeypatch, RadixTree, "replace")
+        assert store.reorganize(force=True)["rewritten"] == 1
+        assert calls
+        monkeypatch.undo()
+        (node,) = [n for n in store.tree.nodes() if n.parent is not None]
+        assert store._catalog.perm_of(node.file_id) is not None  # the tree follows the index
+        assert store.stats()["after_commit_failures"] == 1
+        assert assert_reads_exact(store, toks) == len(toks)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        (node,) = [n for n in store.tree.nodes() if n.parent is not None]
+        assert store._catalog.perm_of(node.file_id) is not None
+        assert assert_reads_exact(store, toks) == len(toks)
+        assert store.stats()["quarantined_files"] == 0
+        names = sorted(p.name for p in (tmp_path / CHUNK_DIR).iterdir())
+        assert names == [store._catalog.records[node.file_id].name]
