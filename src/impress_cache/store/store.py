@@ -187,8 +187,7 @@ class ImpressStore:
         loaded = self._stats.load()
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
-        n_files = len(self._catalog.records)
-        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), n_files, loaded)
+        log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), len(self._catalog.records), loaded)
 
     def _policy_kwargs(self) -> dict[str, Any]:
         cfg = self.config
@@ -242,7 +241,7 @@ class ImpressStore:
             self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._leases.unlinker.close,
             lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
             self._remote.close,  # after the fetch threads: their reads may fill linked files
-            self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
+            self.save_block_stats, lambda: setattr(self._stats, "closed", True), self._reader.close, self._catalog.close, self.index.close,
         )
         failure: BaseException | None = None
         for step in steps:
@@ -252,9 +251,6 @@ class ImpressStore:
                 failure = failure or exc
         if failure is not None:
             raise failure
-
-    def _stats_closed(self) -> None:
-        self._stats.closed = True
 
     def flush(self) -> None:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
@@ -500,7 +496,9 @@ class ImpressStore:
         -------
         dict
             Writes: ``prompts_written``, ``tokens_written``, ``bytes_written``,
-            ``write_seconds``; reads: ``bytes_read_disk`` (bytes really read from disk,
+            ``write_seconds``, ``write_failures``, ``after_commit_failures`` (steps after a
+            committed index transaction that failed: the commit stays, the tree is
+            reloaded from the index); reads: ``bytes_read_disk`` (bytes really read from disk,
             K/V and probe blocks, including alignment gaps of merged reads),
             ``blocks_read`` (blocks read from disk); ``quarantined_files``, ``nodes``,
             ``files``, ``disk_bytes``.
@@ -537,7 +535,7 @@ class ImpressStore:
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
             len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
-        out.update(self._reorder.stats())
+        out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
         out["remote"] = self._remote.stats()
         return out
 
@@ -545,6 +543,7 @@ class ImpressStore:
         """Zero the counters of `stats` (tier residency and block statistics stay)."""
         self._writer.counters = type(self._writer.counters)()
         self._gc.counters = type(self._gc.counters)()
+        self._catalog.after_commit_failures = 0
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()

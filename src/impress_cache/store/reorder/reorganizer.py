@@ -223,12 +223,12 @@ class Reorganizer:
         try:
             done = self._catalog.replace_node(node, new_file)
         except BaseException:
-            self._catalog.unlink(name)
+            self._catalog.discard(name)
             raise
         c = self.counters
         c.bytes_read += nbytes_read
         if done is None:
-            self._catalog.unlink(name)
+            self._catalog.discard(name)
             c.abandoned += 1
             log.info("node %d changed while it was rewritten; the rewrite is dropped", node.id)
             return None
