@@ -372,13 +372,13 @@ class ImpressStore:
         *,
         decode: bool = False,
         known: Mapping[int, torch.Tensor] | None = None,
-        place_hits: bool = True,
+        place_hits: bool = True, inline: bool = False,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` of a prefix layout for ``layers`` (the disk
-        reads run in the background); see `BlockIO.start_layout`."""
+        reads run in the background, or here if ``inline``); see `BlockIO.start_layout`."""
         self._check_open()
         return self._io.start_layout(
-            layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits
+            layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits, inline=inline
         )
 
     # -- writes ----------------------------------------------------------------------
