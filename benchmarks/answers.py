@@ -25,7 +25,8 @@ Bytes before the first token: probe copies + K/V rows of the sparse prefill + wh
 uncertainty guard read, over the bytes of every K/V row of the reused prefix (what whole
 prefix reuse reads). Chunk files are dropped from the page cache before every request
 (guest-cold), the memory tiers are off and the background reorganiser too (every
-variant reads the same layout). TTFT is measured from ``generate`` to the
+variant reads the same layout), except in ``full-reorg``, which reorders its own copy of
+each prefix (taken before any request) after every question by the store's own rules. TTFT is measured from ``generate`` to the
 first token reaching a streamer.
 """
 
@@ -98,6 +99,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "random-keep": {"selection": "random", "decode": "keep", "important_ratio": 0.25},
     "recent-keep": {"selection": "recent", "decode": "keep", "important_ratio": 0.25},
     "h2o-keep": {"selection": "h2o", "decode": "keep", "important_ratio": 0.25},
+    # the defaults with importance reordering between questions (what the background
+    # reorganiser does when the store is idle), on a copy of the stored prefix
+    "full-reorg": {"reorganize": True},
 }
 DEFAULT_VARIANTS = ("full", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
 
@@ -239,8 +243,26 @@ def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, 
         first = torch.tensor([text["prefix"] + text["suffixes"][0][:1]])
         model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)
         store.flush()
+    # untouched by any request (no statistics): what a reordering variant starts from
+    shutil.copytree(d, pristine(d))
     (d / "STORED").write_text(f"{time.perf_counter() - t0:.1f} s\n")
     print(f"  stored {text['id']} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return d
+
+
+def pristine(store_dir: Path) -> Path:
+    return store_dir.with_name(store_dir.name + ".pristine")
+
+
+def reorg_copy(store_dir: Path, work: Path, name: str) -> Path:
+    """A fresh copy of a stored prefix for a variant that reorders it, taken before any
+    request (the shared copy keeps prompt order and gathers every variant's statistics,
+    which would leak later questions' importance into the reordering)."""
+    if not pristine(store_dir).exists():
+        raise SystemExit(f"{store_dir} has no untouched copy (stored by an older answers.py): use a new --work")
+    d = work / "reorg" / name / store_dir.name
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(pristine(store_dir), d)
     return d
 
 
@@ -398,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
                 store_dir = ensure_stored(model, text, work, base)
                 refs = [reference(model, text, qi, store_dir, work, base, eos) for qi in range(args.questions)]
                 for name, over in variants.items():
+                    over = dict(over)
+                    reorg = bool(over.pop("reorganize", False))
                     conf = ImpressConfig(**{**base, **over})
-                    with ImpressStore(store_dir, model, conf) as store:
+                    rewritten = 0
+                    with ImpressStore(reorg_copy(store_dir, work, name) if reorg else store_dir, model, conf) as store:
                         for qi in range(args.questions):
                             ids = torch.tensor([text["prefix"] + text["suffixes"][qi]])
                             got = answer(model, store, ids, eos)
@@ -414,8 +439,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "refresh_s": got["refresh_s"], "fallback_layers": got["fallback_layers"],
                                 "answer": tok.decode(got["tokens"], skip_special_tokens=True),
                                 "dense_answer": tok.decode(refs[qi]["tokens"], skip_special_tokens=True),
+                                "reordered_before": rewritten,
                             }
                             rows.append(row)
+                            if reorg:  # as the idle reorganiser would, by the store's own rules
+                                rewritten += store.reorganize()["rewritten"]
                     done = [r for r in rows if r["variant_name"] == name and r["text"] == text["id"]]
                     print(
                         f"{text['id']:>16} {name:>14}: first {sum(r['first_token'] for r in done)}/{len(done)} "
