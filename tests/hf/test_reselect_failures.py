@@ -26,6 +26,19 @@ def _damage(path, model, doc, kind, layer, block):
     f.write_bytes(bytes(raw))
 
 
+KEEP_RESELECT = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", device_bytes=0, host_bytes=0,
+                              keep_reselect=1)
+
+
+def _stored_doc(tmp_path, seed):
+    """A tiny model, a 300-token document stored densely, and a prompt of it plus 10
+    question tokens."""
+    model = tiny_model("llama", "sdpa")
+    doc = tokens(seed, 300)
+    store_dense(tmp_path, model, doc.unsqueeze(0))
+    return model, doc, torch.cat([doc, tokens(seed + 1, 10)]).unsqueeze(0)
+
+
 class _EvictOnce(LogitsProcessor):
     """Between two decode steps, asks the store to evict everything it can."""
 
@@ -40,13 +53,8 @@ class _EvictOnce(LogitsProcessor):
 
 
 def test_the_leased_prefix_survives_eviction_while_rows_are_reselected(tmp_path):
-    model = tiny_model("llama", "sdpa")
-    doc = tokens(11, 300)
-    store_dense(tmp_path, model, doc.unsqueeze(0))
-    ids = torch.cat([doc, tokens(13, 10)]).unsqueeze(0)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", device_bytes=0, host_bytes=0,
-                        keep_reselect=1)
-    with ImpressStore(tmp_path, model, cfg) as store:
+    model, _, ids = _stored_doc(tmp_path, 11)
+    with ImpressStore(tmp_path, model, KEEP_RESELECT) as store:
         calm = run(model, ids, cache=ImpressCache(store, ids), new_tokens=6)[0]
         cache = ImpressCache(store, ids)
         evict = _EvictOnce(store)
@@ -77,12 +85,8 @@ def test_a_damaged_block_found_by_reselection_keeps_the_held_rows(tmp_path):
     """A block only a re-selection reads (the prefill chose none of its rows) fails its
     checksum: the request keeps the rows it holds (each still the stored K/V of its
     position), re-selects nothing more and the file is quarantined."""
-    model = tiny_model("llama", "sdpa")
-    doc = tokens(21, 300)
-    store_dense(tmp_path, model, doc.unsqueeze(0))
-    ids = torch.cat([doc, tokens(22, 10)]).unsqueeze(0)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", device_bytes=0, host_bytes=0,
-                        keep_reselect=1)
+    model, doc, ids = _stored_doc(tmp_path, 21)
+    cfg = KEEP_RESELECT
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0)) as store:
         dense = ImpressCache(store, ids, store_prompt=False)
         run(model, ids, cache=dense, new_tokens=1)
