@@ -233,8 +233,9 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
-def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any]) -> Path:
-    """Store the text's prefix once (kept in ``work`` between runs)."""
+def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any], keep_pristine: bool) -> Path:
+    """Store the text's prefix once (kept in ``work`` between runs); with
+    ``keep_pristine`` also an untouched copy for the reordering variants."""
     d = work / f"store-c{base['chunk_tokens']}-{base['probe_dtype']}" / text["id"]
     if (d / "STORED").exists():
         return d
@@ -243,8 +244,8 @@ def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, 
         first = torch.tensor([text["prefix"] + text["suffixes"][0][:1]])
         model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)
         store.flush()
-    # untouched by any request (no statistics): what a reordering variant starts from
-    shutil.copytree(d, pristine(d))
+    if keep_pristine:  # untouched by any request (no statistics): what a reordering variant starts from
+        shutil.copytree(d, pristine(d))
     (d / "STORED").write_text(f"{time.perf_counter() - t0:.1f} s\n")
     print(f"  stored {text['id']} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return d
@@ -417,14 +418,15 @@ def main(argv: list[str] | None = None) -> int:
             texts = {"heldout": [held], "tune": [1 - held], "both": [0, 1]}[args.split]
             for tv in texts:
                 text = build_text(tok, kind, length, tv)
-                store_dir = ensure_stored(model, text, work, base)
+                store_dir = ensure_stored(model, text, work, base, any("reorganize" in v for v in variants.values()))
                 refs = [reference(model, text, qi, store_dir, work, base, eos) for qi in range(args.questions)]
                 for name, over in variants.items():
                     over = dict(over)
                     reorg = bool(over.pop("reorganize", False))
                     conf = ImpressConfig(**{**base, **over})
                     rewritten = 0
-                    with ImpressStore(reorg_copy(store_dir, work, name) if reorg else store_dir, model, conf) as store:
+                    run_dir = reorg_copy(store_dir, work, name) if reorg else store_dir
+                    with ImpressStore(run_dir, model, conf) as store:
                         for qi in range(args.questions):
                             ids = torch.tensor([text["prefix"] + text["suffixes"][qi]])
                             got = answer(model, store, ids, eos)
@@ -444,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                             rows.append(row)
                             if reorg:  # as the idle reorganiser would, by the store's own rules
                                 rewritten += store.reorganize()["rewritten"]
+                    if reorg:
+                        shutil.rmtree(run_dir, ignore_errors=True)
                     done = [r for r in rows if r["variant_name"] == name and r["text"] == text["id"]]
                     print(
                         f"{text['id']:>16} {name:>14}: first {sum(r['first_token'] for r in done)}/{len(done)} "

@@ -1,15 +1,16 @@
-"""An upper bound for ``decode="keep"``: attention to the best ``ratio`` of the prefix,
-chosen with the exact keys, for every token and KV head.
+"""A reference for ``decode="keep"``: attention to the ``ratio`` of the prefix with the
+most attention, chosen with the exact keys, for every token and KV head.
 
 The answers benchmark (``benchmarks/answers.py``) measures what the library's keep mode
 gives: every layer holds ``k = ratio x P`` prefix rows, chosen from int4 probe copies of
 the keys and read from disk (with ``keep_reselect=1`` chosen again at every token, per
-KV head). This script asks how much better any such choice could be: the model runs in
+KV head). This script asks how much better that choice could get with perfect scores
+(a reference policy, not a proven bound on agreement): the model runs in
 memory with an attention function that, for every query row after the prefix (the
 question and every generated token) and every KV head, keeps the ``k`` prefix rows with
 the most attention (softmax over the prefix, summed over the head's query group, from
 the exact keys), and masks the rest. Nothing is read from disk; it is slow (attention in
-Python) and only an oracle: a cache cannot know the exact scores without the keys.
+Python) and only a reference: a cache cannot know the exact scores without the keys.
 
 ``--modes`` also takes ``dyn-kv-sum``: at the same memory, ``k - P/16`` rows plus, per
 16-row block, one summary of the rows not kept (their mean key, with the log of their
@@ -75,6 +76,8 @@ def oracle_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     s, q, n = s[:, :, first:], query[:, :, first:], n - first
     pre, rest = s[..., :p], s[..., p:]
     nb = p // BLOCK
+    if mode == "dyn-kv-sum" and p % BLOCK:
+        raise ValueError(f"dyn-kv-sum needs a prefix length that is a multiple of {BLOCK}, got {p}")
     k = int(round(STATE["ratio"] * p)) - (nb if mode == "dyn-kv-sum" else 0)
     per_kv = pre.softmax(-1).view(b, hkv, g, n, p).sum(2)
     keep = torch.zeros_like(per_kv, dtype=torch.bool).scatter_(-1, per_kv.topk(k, -1).indices, True)

@@ -120,3 +120,29 @@ def test_a_failure_after_a_rewrite_commits_keeps_the_rewritten_file(tmp_path, mo
         assert store.stats()["quarantined_files"] == 0
         names = sorted(p.name for p in (tmp_path / CHUNK_DIR).iterdir())
         assert names == [store._catalog.records[node.file_id].name]
+
+
+def test_a_rewrite_whose_tree_update_and_reload_fail_still_returns(tmp_path, monkeypatch):
+    """The replacement commits, the tree update fails and so does the reload after it:
+    `reorganize` still reports the rewrite (no exception for a committed change), the old
+    file is unlinked as usual, and the next look at the index brings the tree back."""
+    from impress_cache.store.catalog import Catalog
+    from test_reorder import _model, assert_reads_exact, cfg, put, scatter
+
+    toks = list(range(3, 67))
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, toks)
+        for _ in range(4):
+            scatter(store, toks)
+        replace = _fail_once(monkeypatch, RadixTree, "replace")
+        reload = _fail_once(monkeypatch, Catalog, "reload_tree")
+        assert store.reorganize(force=True)["rewritten"] == 1
+        assert replace and reload
+        monkeypatch.undo()
+        assert store.stats()["after_commit_failures"] == 1
+        store._catalog.refresh()
+        (node,) = [n for n in store.tree.nodes() if n.parent is not None]
+        assert store._catalog.perm_of(node.file_id) is not None
+        assert assert_reads_exact(store, toks) == len(toks)
+        names = sorted(p.name for p in (tmp_path / CHUNK_DIR).iterdir())
+        assert names == [store._catalog.records[node.file_id].name]  # the old file is gone

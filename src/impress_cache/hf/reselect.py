@@ -179,31 +179,25 @@ class Reselector:
         new_v = values[:, k - k_i : k].gather(1, take)
         absent = slot < 0
         if bool(absent.any()):
-            pos, mk, mv = _read_missing(sp, lay, view, layer_idx, at[absent])
-            index_of = torch.full((lay.length,), -1, dtype=torch.long, device=dev)
-            index_of[pos] = torch.arange(len(pos), device=dev)
-            src = index_of[at].clamp(min=0).unsqueeze(-1).expand(-1, -1, d)
+            mk, mv = _read_missing(sp, lay, view, layer_idx, at, absent)
             miss = absent.unsqueeze(-1)
-            new_k = torch.where(miss, mk.to(dev, keys.dtype).gather(1, src), new_k)
-            new_v = torch.where(miss, mv.to(dev, values.dtype).gather(1, src), new_v)
+            new_k = torch.where(miss, mk.to(dev, keys.dtype), new_k)
+            new_v = torch.where(miss, mv.to(dev, values.dtype), new_v)
         keys[:, k - k_i : k] = new_k
         values[:, k - k_i : k] = new_v
         return rows
 
-def _read_missing(sp: SparsePrefill, lay: PrefixLayout, view: LayerView, layer_idx: int,
-                  wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Read the blocks holding the positions ``wanted`` (some head does not hold them):
-    returns the positions of every row of those blocks and their ``[kv_heads, rows,
-    head_dim]`` keys and values."""
+def _read_missing(sp: SparsePrefill, lay: PrefixLayout, view: LayerView, layer_idx: int, at: torch.Tensor,
+                  absent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the blocks holding the positions ``at[absent]`` (``at``: ``[kv_heads, k]``)
+    and return ``[kv_heads, k, head_dim]`` keys and values, those of ``at`` where
+    ``absent`` (elsewhere a row of the blocks read: the caller keeps its held rows)."""
+    wanted = at[absent]
     missing = view.units_for(torch.unique(wanted).cpu())
     # mostly blocks read earlier in this request (page cache): read in this thread
     blocks = sp.store.start_layout(lay, KV, [layer_idx], missing, decode=True, inline=True).result()
-    mask = torch.zeros(len(lay.units), dtype=torch.bool)
-    mask[torch.as_tensor(missing, dtype=torch.long)] = True
-    pos = torch.nonzero(mask[view.unit_of]).squeeze(1)
-    mk, mv = view.gather(missing, blocks, pos)
     stats = sp.stats
     stats.bytes_read_decode += blocks.stats.disk_bytes
     stats.bytes_read_disk += blocks.stats.disk_bytes
     stats.blocks_read += blocks.stats.disk_blocks
-    return pos.to(wanted.device), mk, mv
+    return view.gather(missing, blocks, torch.where(absent, at, wanted[0]).cpu())

@@ -319,7 +319,7 @@ class Catalog:
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile
-    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
+    ) -> tuple[int, RadixNode | None, list[FileRecord]] | None:
         """Point ``node`` at ``new_file`` (its rows rewritten) in one index transaction,
         then in the tree: a new node takes its place, its children and its count of
         stored sequences. Returns ``(file_id, new node, dropped files)`` (the files no
@@ -328,7 +328,8 @@ class Catalog:
         replaced meanwhile, by this or another process); the caller then deletes the
         new file (`discard`). An exception means nothing was committed; a failure of the
         tree update after the commit is handled as in `commit_prompt` (the new node is
-        then the reloaded tree's)."""
+        then the reloaded tree's, or ``None`` if that reload failed too and waits for the
+        next refresh; the dropped files are still returned)."""
         with self.lock:
             try:
                 staged = self._index_replacement(node, new_file)
@@ -343,9 +344,9 @@ class Catalog:
                 new = self.tree.replace(node, new_id, file_id, 0)
             except BaseException as exc:
                 self.after_commit_failed("a rewritten node's tree update", exc)
-                if not isinstance(exc, Exception) or self.tree.get(new_id) is None:
+                if not isinstance(exc, Exception):
                     raise
-                new = self.tree.get(new_id)
+                new = self.tree.get(new_id)  # None while the tree waits for its reload
             return file_id, new, dropped
 
     def _index_replacement(
