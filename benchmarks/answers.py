@@ -25,7 +25,8 @@ Bytes before the first token: probe copies + K/V rows of the sparse prefill + wh
 uncertainty guard read, over the bytes of every K/V row of the reused prefix (what whole
 prefix reuse reads). Chunk files are dropped from the page cache before every request
 (guest-cold), the memory tiers are off and the background reorganiser too (every
-variant reads the same layout). TTFT is measured from ``generate`` to the
+variant reads the same layout), except in ``full-reorg``, which reorders its own copy of
+each prefix (taken before any request) after every question by the store's own rules. TTFT is measured from ``generate`` to the
 first token reaching a streamer.
 """
 
@@ -98,6 +99,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "random-keep": {"selection": "random", "decode": "keep", "important_ratio": 0.25},
     "recent-keep": {"selection": "recent", "decode": "keep", "important_ratio": 0.25},
     "h2o-keep": {"selection": "h2o", "decode": "keep", "important_ratio": 0.25},
+    # the defaults with importance reordering between questions (what the background
+    # reorganiser does when the store is idle), on a copy of the stored prefix
+    "full-reorg": {"reorganize": True},
 }
 DEFAULT_VARIANTS = ("full", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
 
@@ -229,8 +233,9 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
-def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any]) -> Path:
-    """Store the text's prefix once (kept in ``work`` between runs)."""
+def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any], keep_pristine: bool) -> Path:
+    """Store the text's prefix once (kept in ``work`` between runs); with
+    ``keep_pristine`` also an untouched copy for the reordering variants."""
     d = work / f"store-c{base['chunk_tokens']}-{base['probe_dtype']}" / text["id"]
     if (d / "STORED").exists():
         return d
@@ -239,8 +244,26 @@ def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, 
         first = torch.tensor([text["prefix"] + text["suffixes"][0][:1]])
         model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)
         store.flush()
+    if keep_pristine:  # untouched by any request (no statistics): what a reordering variant starts from
+        shutil.copytree(d, pristine(d))
     (d / "STORED").write_text(f"{time.perf_counter() - t0:.1f} s\n")
     print(f"  stored {text['id']} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return d
+
+
+def pristine(store_dir: Path) -> Path:
+    return store_dir.with_name(store_dir.name + ".pristine")
+
+
+def reorg_copy(store_dir: Path, work: Path, name: str) -> Path:
+    """A fresh copy of a stored prefix for a variant that reorders it, taken before any
+    request (the shared copy keeps prompt order and gathers every variant's statistics,
+    which would leak later questions' importance into the reordering)."""
+    if not pristine(store_dir).exists():
+        raise SystemExit(f"{store_dir} has no untouched copy (stored by an older answers.py): use a new --work")
+    d = work / "reorg" / name / store_dir.name
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(pristine(store_dir), d)
     return d
 
 
@@ -395,11 +418,15 @@ def main(argv: list[str] | None = None) -> int:
             texts = {"heldout": [held], "tune": [1 - held], "both": [0, 1]}[args.split]
             for tv in texts:
                 text = build_text(tok, kind, length, tv)
-                store_dir = ensure_stored(model, text, work, base)
+                store_dir = ensure_stored(model, text, work, base, any("reorganize" in v for v in variants.values()))
                 refs = [reference(model, text, qi, store_dir, work, base, eos) for qi in range(args.questions)]
                 for name, over in variants.items():
+                    over = dict(over)
+                    reorg = bool(over.pop("reorganize", False))
                     conf = ImpressConfig(**{**base, **over})
-                    with ImpressStore(store_dir, model, conf) as store:
+                    rewritten = 0
+                    run_dir = reorg_copy(store_dir, work, name) if reorg else store_dir
+                    with ImpressStore(run_dir, model, conf) as store:
                         for qi in range(args.questions):
                             ids = torch.tensor([text["prefix"] + text["suffixes"][qi]])
                             got = answer(model, store, ids, eos)
@@ -414,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                                 "refresh_s": got["refresh_s"], "fallback_layers": got["fallback_layers"],
                                 "answer": tok.decode(got["tokens"], skip_special_tokens=True),
                                 "dense_answer": tok.decode(refs[qi]["tokens"], skip_special_tokens=True),
+                                "reordered_before": rewritten,
                             }
                             rows.append(row)
+                            if reorg:  # as the idle reorganiser would, by the store's own rules
+                                rewritten += store.reorganize()["rewritten"]
+                    if reorg:
+                        shutil.rmtree(run_dir, ignore_errors=True)
                     done = [r for r in rows if r["variant_name"] == name and r["text"] == text["id"]]
                     print(
                         f"{text['id']:>16} {name:>14}: first {sum(r['first_token'] for r in done)}/{len(done)} "

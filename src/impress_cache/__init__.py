@@ -16,6 +16,7 @@ from .errors import (
     StoreFormatError,
     StoreIOError,
     StoreLimitError,
+    TierError,
     UnsupportedModelError,
 )
 from .hf.cache import ImpressCache
@@ -41,6 +42,7 @@ __all__ = [
     "StoreLimitError",
     "RequestStats",
     "SUPPORTED_MODEL_TYPES",
+    "TierError",
     "UnsupportedModelError",
     "__version__",
     "remove_hooks",

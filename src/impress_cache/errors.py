@@ -33,6 +33,11 @@ class StoreLimitError(ImpressError, ValueError):
     4,096 layers, 1,048,576 blocks per layer of one file, 2^31 file ids)."""
 
 
+class TierError(ImpressError, ValueError):
+    """The memory tiers (`tiers.TierManager`) were called with an invalid argument (an
+    unknown tier name, a negative byte count)."""
+
+
 class CorruptBlockError(ImpressError, IOError):
     """A stored block is missing, truncated or fails its checksum."""
 

@@ -238,3 +238,65 @@ def test_crash_leftovers_of_linking_are_removed_and_a_link_in_progress_is_left_a
         b._catalog.unlink(name)
         assert sorted(os.listdir(side_dir)) == [fresh.name]
 
+
+
+def _header_bytes(path: Path) -> int:
+    from impress_cache.store.remote.objects import header_length
+
+    with open(path, "rb") as f:
+        return header_length(f.read(8))
+
+
+def test_an_upload_reads_only_the_headers_of_files_already_uploaded(bucket, tmp_path):
+    """The header names the object: a prompt uploaded again (its objects there) reads one
+    header per file, a longer prompt on top reads the old file's header and the new file."""
+    from impress_cache.store import CHUNK_DIR
+
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    longer = torch.cat([doc, _doc(seed=5, n=40)], dim=1)
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
+        assert_same_as_uncached(model, a, doc)
+        (old,) = a._catalog.records.values()
+        remote = a.stats()["remote"]
+        assert remote["local_bytes_read"] == (tmp_path / "a" / CHUNK_DIR / old.name).stat().st_size
+        head = _header_bytes(tmp_path / "a" / CHUNK_DIR / old.name)
+        # the same prompt uploaded again: its object is there, only its header is read
+        a._remote.push(a.match(doc[0].numpy()).segments[-1].node)
+        a.flush()
+        again = a.stats()["remote"]
+        assert again["local_bytes_read"] - remote["local_bytes_read"] == head
+        assert again["objects_uploaded"] == 1 and again["prompts_advertised"] == 2
+        assert_same_as_uncached(model, a, longer)
+        new = next(r for r in a._catalog.records.values() if r.id != old.id)
+        after = a.stats()["remote"]
+        assert after["local_bytes_read"] - again["local_bytes_read"] == head + (
+            tmp_path / "a" / CHUNK_DIR / new.name
+        ).stat().st_size
+        assert after["objects_uploaded"] == 2
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:  # what was advertised is whole
+        cache = assert_same_as_uncached(model, b, longer)
+        assert cache.stats.matched_tokens == longer.shape[1] - 1 and cache.stats.quarantined_files == 0
+
+
+def test_a_damaged_local_file_is_not_uploaded(bucket, tmp_path):
+    """A local chunk file with a damaged block is read whole before its upload and refused:
+    no object, no manifest, no key; the upload is dropped."""
+    from impress_cache.store import CHUNK_DIR
+
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path / "a", model, _cfg(server, "elsewhere-" + prefix)) as a:
+        assert_same_as_uncached(model, a, doc)
+        (rec,) = a._catalog.records.values()
+    path = tmp_path / "a" / CHUNK_DIR / rec.name
+    raw = bytearray(path.read_bytes())
+    raw[_header_bytes(path) + 5] ^= 0xFF  # a byte of the first block, the header intact
+    path.write_bytes(bytes(raw))
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix, remote_retry_s=0.2)) as a:
+        a._remote.push(a.match(doc[0].numpy()).segments[-1].node)
+        a.flush()
+        remote = a.stats()["remote"]
+        assert remote["objects_uploaded"] == 0 and remote["uploads_dropped"] == 1
+        assert remote["local_bytes_read"] >= path.stat().st_size  # read whole to be checked
+    assert _objects(backend, "obj") == [] and _objects(backend, "man") == [] and _objects(backend, "key") == []

@@ -64,13 +64,18 @@ def test_any_blocks_round_trip(tmp_path_factory, fmt, dtype, layers, heads, dim,
             [Extent(0, path, offsets[i], blocks[i].nbytes, sums[i], memoryview(b), seeds[i]) for i, b in zip(want, bufs)]
         )
         pooled = reader.submit([group], memoryview(pool)).wait()
+        # 3. the same, read in this thread (``inline``)
+        here = bytearray(len(pool))
+        assert reader.submit([group], memoryview(here), inline=True).wait() == pooled
         # a wrong seed (another block's identity) fails verification although the bytes are intact
         bad = FileBlocks(0, path, None, group.offsets[:1], group.nbytes[:1], group.expected[:1], group.seeds[:1] + 1, group.dest[:1])
-        with pytest.raises(CorruptBlockError, match="checksum"):
-            reader.submit([bad], memoryview(pool)).wait()
+        for inline in (False, True):
+            with pytest.raises(CorruptBlockError, match="checksum"):
+                reader.submit([bad], memoryview(pool), inline=inline).wait()
     finally:
         reader.close()
     assert nbytes >= sum(blocks[i].nbytes for i in want) and pooled >= sum(blocks[i].nbytes for i in want)
+    assert here == pool
     for j, (i, buf) in enumerate(zip(want, bufs)):
         blk = blocks[i]
         for raw in (buf[: blk.nbytes], pool[j * slot : j * slot + blk.nbytes]):

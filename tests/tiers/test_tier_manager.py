@@ -198,6 +198,17 @@ def test_constructor_validation() -> None:
         mgr.used_bytes("gpu")
 
 
+def test_tier_error_is_an_impress_error_under_every_import_path() -> None:
+    import impress_cache
+    from impress_cache import errors
+    from impress_cache.tiers import manager, view
+
+    assert TierError is errors.TierError is view.TierError is manager.TierError is impress_cache.TierError
+    assert issubclass(TierError, errors.ImpressError) and issubclass(TierError, ValueError)
+    with pytest.raises(errors.ImpressError):
+        TierManager(10, 0, LRUPolicy()).used_bytes("gpu")
+
+
 @pytest.mark.parametrize(
     ("policy", "expected_victim"),
     [("lru", "b"), ("lfu", "c"), ("score", "a")],

@@ -156,15 +156,11 @@ class Reselector:
         sp = self._sparse
         cfg, k, dev = sp.store.config, sp.k, keys.device
         view = lay.at(layer_idx)
-        # the held rows, in place in a prefix-sized scratch; the rest read on demand
         h, d = keys.shape[0], keys.shape[-1]
-        sk = keys.new_zeros((h, lay.length, d))
-        sv = torch.zeros_like(sk)
-        present = torch.zeros(h, lay.length, dtype=torch.bool, device=dev)
-        at = (prev.expand(h, -1) if prev.dim() == 1 else prev).to(dev)
-        sk.scatter_(1, at.unsqueeze(-1).expand(-1, -1, d), keys[:, k - k_i : k])
-        sv.scatter_(1, at.unsqueeze(-1).expand(-1, -1, d), values[:, k - k_i : k])
-        present.scatter_(1, at, True)
+        # per head, where each position is held (its slot among the held rows, -1: not held)
+        held_at = (prev.expand(h, -1) if prev.dim() == 1 else prev).to(dev)
+        slot_of = torch.full((h, lay.length), -1, dtype=torch.long, device=dev)
+        slot_of.scatter_(1, held_at, torch.arange(k_i, device=dev).expand(h, -1))
         scores = probe_scores(queries, new_keys, probe_keys, sp.store.probe.kv_heads)
         if cfg.keep_reselect_decay > 0:  # this token's share of attention, plus the past's, decayed
             scores = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-30)
@@ -176,32 +172,32 @@ class Reselector:
         if forced is not None:
             scores[:, forced] += 1e9  # above every scored row, as in the prefill
         rows = (topk_indices if every_head else vote)(scores.unsqueeze(0), k_i)[0]
-        _fill_missing(sp, lay, view, layer_idx, rows, sk, sv, present)
-        at = (rows.expand(h, -1) if rows.dim() == 1 else rows).to(dev).unsqueeze(-1).expand(-1, -1, d)
-        keys[:, k - k_i : k] = sk.gather(1, at)
-        values[:, k - k_i : k] = sv.gather(1, at)
+        at = (rows.expand(h, -1) if rows.dim() == 1 else rows).to(dev)
+        slot = slot_of.gather(1, at)  # [h, k_i]
+        take = slot.clamp(min=0).unsqueeze(-1).expand(-1, -1, d)
+        new_k = keys[:, k - k_i : k].gather(1, take)
+        new_v = values[:, k - k_i : k].gather(1, take)
+        absent = slot < 0
+        if bool(absent.any()):
+            mk, mv = _read_missing(sp, lay, view, layer_idx, at, absent)
+            miss = absent.unsqueeze(-1)
+            new_k = torch.where(miss, mk.to(dev, keys.dtype), new_k)
+            new_v = torch.where(miss, mv.to(dev, values.dtype), new_v)
+        keys[:, k - k_i : k] = new_k
+        values[:, k - k_i : k] = new_v
         return rows
 
-def _fill_missing(sp: SparsePrefill, lay: PrefixLayout, view: LayerView, layer_idx: int, rows: torch.Tensor,
-                  sk: torch.Tensor, sv: torch.Tensor, present: torch.Tensor) -> None:
-    """Read the blocks holding selected ``rows`` (``[k]`` or ``[kv_heads, k]``) that a head
-    does not hold yet into the scratch ``sk``/``sv`` (every head of those blocks' rows)."""
-    at = (rows.expand(present.shape[0], -1) if rows.dim() == 1 else rows).to(present.device)
-    need = torch.zeros(present.shape[1], dtype=torch.bool, device=present.device)
-    need[at[~present.gather(1, at)]] = True
-    if not bool(need.any()):
-        return
-    missing = view.units_for(torch.nonzero(need).squeeze(1).cpu())
-    blocks = sp.store.start_layout(lay, KV, [layer_idx], missing, decode=True).result()
-    mask = torch.zeros(len(lay.units), dtype=torch.bool)
-    mask[torch.as_tensor(missing, dtype=torch.long)] = True
-    pos = torch.nonzero(mask[view.unit_of]).squeeze(1)
-    mk, mv = view.gather(missing, blocks, pos)
-    pos = pos.to(sk.device)
-    sk[:, pos] = mk.to(sk.device, sk.dtype)
-    sv[:, pos] = mv.to(sv.device, sv.dtype)
-    present[:, pos] = True
+def _read_missing(sp: SparsePrefill, lay: PrefixLayout, view: LayerView, layer_idx: int, at: torch.Tensor,
+                  absent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the blocks holding the positions ``at[absent]`` (``at``: ``[kv_heads, k]``)
+    and return ``[kv_heads, k, head_dim]`` keys and values, those of ``at`` where
+    ``absent`` (elsewhere a row of the blocks read: the caller keeps its held rows)."""
+    wanted = at[absent]
+    missing = view.units_for(torch.unique(wanted).cpu())
+    # mostly blocks read earlier in this request (page cache): read in this thread
+    blocks = sp.store.start_layout(lay, KV, [layer_idx], missing, decode=True, inline=True).result()
     stats = sp.stats
     stats.bytes_read_decode += blocks.stats.disk_bytes
     stats.bytes_read_disk += blocks.stats.disk_bytes
     stats.blocks_read += blocks.stats.disk_blocks
+    return view.gather(missing, blocks, torch.where(absent, at, wanted[0]).cpu())

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ReadOnlyStoreError, StoreFormatError
 from .guard import _check_regular, _guarded, index_error, is_damage
-from ..storage.base import BlockKey, disk_bytes
+from ..storage.base import BlockKey, create_file, disk_bytes
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
 
@@ -104,12 +104,9 @@ class Index:
 
         if not read_only:
             try:  # a new index gets the store's file mode (SQLite would follow the umask)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode)
+                os.close(create_file(None, path, file_mode))
             except FileExistsError:
                 pass
-            else:
-                os.fchmod(fd, file_mode)  # the mode of os.open is masked by the umask
-                os.close(fd)
             return connect(str(path))
         if not path.exists():
             raise StoreFormatError(f"{path.parent} holds no impress_cache store (no {path.name}); a read-only store cannot be created")
@@ -259,6 +256,11 @@ class Index:
         with self._lock:
             rows = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files").fetchall()
         return [_record(r) for r in rows]
+
+    def has_file(self, name: str) -> bool:
+        """Whether a file of that name is in the index (an indexed lookup)."""
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM files WHERE name=?", (name,)).fetchone() is not None
 
     def file_names(self) -> dict[int, str]:
         with self._lock:

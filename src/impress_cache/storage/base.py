@@ -241,3 +241,17 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_file(dir_fd: int | None, name: str | Path, mode: int) -> int:
+    """Create the new file ``name`` (relative to the directory ``dir_fd``, or a path with
+    ``None``), never an existing one, never through a link, with ``mode`` whatever the
+    umask; returns a writable descriptor. Every file the store and its index create
+    starts here."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)  # the mode of os.open is masked by the umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -105,11 +105,14 @@ class BlockReader:
             futures.extend(self._submit_group(group, e.dest))
         return ReadBatch(futures).wait()
 
-    def submit(self, groups: Sequence[FileBlocks], dest: memoryview) -> ReadBatch:
-        """Start reading every group's blocks into ``dest`` at their ``dest`` offsets."""
+    def submit(self, groups: Sequence[FileBlocks], dest: memoryview, inline: bool = False) -> ReadBatch:
+        """Start reading every group's blocks into ``dest`` at their ``dest`` offsets
+        (``inline``: read them now, in this thread; errors still surface at `ReadBatch.wait`)."""
         futures: list[Future[int]] = []
         for g in groups:
-            if g.before is None:
+            if inline:
+                futures.append(_now(self._before_then_read if g.before is not None else self._read_all, g, dest))
+            elif g.before is None:
                 futures.extend(self._submit_group(g, dest))
             else:  # one task: make the blocks present, then read them all
                 futures.append(self._pool.submit(self._before_then_read, g, dest))
@@ -118,6 +121,9 @@ class BlockReader:
     def _before_then_read(self, g: FileBlocks, dest: memoryview) -> int:
         assert g.before is not None
         g.before()
+        return self._read_all(g, dest)
+
+    def _read_all(self, g: FileBlocks, dest: memoryview) -> int:
         return sum(_read_run(g, idx, dest) for idx in self._runs(g))
 
     def _submit_group(self, g: FileBlocks, dest: memoryview) -> list[Future[int]]:
@@ -145,6 +151,16 @@ class BlockReader:
                 runs.append(order[lo:hi])
                 lo = hi
         return runs
+
+
+def _now(fn: Callable[[FileBlocks, memoryview], int], g: FileBlocks, dest: memoryview) -> Future[int]:
+    """``fn(g, dest)`` run here, as a finished future (its exception kept for `ReadBatch.wait`)."""
+    fut: Future[int] = Future()
+    try:
+        fut.set_result(fn(g, dest))
+    except Exception as exc:  # noqa: BLE001 - raised again by ReadBatch.wait, like a pool task's
+        fut.set_exception(exc)
+    return fut
 
 
 def _open(g: FileBlocks) -> int:

@@ -204,6 +204,7 @@ class BlockIO:
         known: Mapping[int, torch.Tensor] | None = None,
         place_hits: bool = True,
         quiet: bool = False,
+        inline: bool = False,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` (default: all) of ``layout`` for every layer
         in ``layers``; key ``i * len(units) + j`` is unit ``units[j]`` of ``layers[i]``.
@@ -211,16 +212,18 @@ class BlockIO:
         ``place_hits=False`` memory-tier hits are not copied into the pool but held
         (`BlockSet.held`): a caller that copies blocks out once (`gather_into`) saves a copy.
         A ``quiet`` read (maintenance) goes straight to disk: no memory tiers, no block
-        statistics, no I/O counters."""
+        statistics, no I/O counters. An ``inline`` read runs its disk part in the calling
+        thread (small reads of blocks likely in the page cache, where handing each run to
+        the reader threads costs more than the read)."""
         u = np.arange(len(layout.units)) if units is None else np.asarray(units, dtype=np.int64)
         files = np.tile(layout.unit_files[u], len(layers))
         blocks = np.tile(layout.unit_blocks[u], len(layers))
         lay = np.repeat(np.asarray(layers, dtype=np.int64), len(u))
         per_key = None if shares is None else list(shares) * len(layers)
-        return self._start(kind, files, lay, blocks, per_key, decode, known, place_hits, quiet)
+        return self._start(kind, files, lay, blocks, per_key, decode, known, place_hits, quiet, inline)
 
     # -- steps -----------------------------------------------------------------------
-    def _start(self, kind, files, layers, blocks, shares, decode, known, place_hits=True, quiet=False) -> PendingRead:  # type: ignore[no-untyped-def]
+    def _start(self, kind, files, layers, blocks, shares, decode, known, place_hits=True, quiet=False, inline=False) -> PendingRead:  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         code = block_code(files, layers, blocks)
         uniq, first, inverse = np.unique(code, return_index=True, return_inverse=True)
@@ -285,7 +288,7 @@ class BlockIO:
                     None if self.fill is None or not self.fill.linked(f.record.name, f.record.id)
                     else functools.partial(self.fill.fill, f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel]),
                 ))
-            plan.batch = self._reader.submit(work, memoryview(flat))
+            plan.batch = self._reader.submit(work, memoryview(flat), inline=inline)
         return PendingRead(self, plan)
 
     def _finish(self, plan: _Plan) -> BlockSet:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CorruptBlockError, StoreFormatError
-from ..index.radix import Match, RadixNode, RadixTree, as_tokens
+from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
 from ..storage.base import BlockTable, context_digest, file_seed
@@ -109,6 +109,10 @@ class Catalog:
         self._open: dict[int, OpenFile] = {}
         #: `refresh` calls (each a look at the index's data version), for tests and tuning
         self.refreshes = 0
+        #: steps after a committed transaction that failed (`after_commit_failed`)
+        self.after_commit_failures = 0
+        #: the tree may not follow the index (a reload after a failure failed too)
+        self._stale = False
         #: bytes of the index file, its shared-memory file and the directories, as last
         #: measured (`disk_bytes`), and how often they were used since
         self._fixed: int | None = None
@@ -187,13 +191,14 @@ class Catalog:
         `Index.changed_elsewhere`)."""
         with self.lock:
             self.refreshes += 1
-            if self.index.changed_elsewhere(wait):
+            if self.index.changed_elsewhere(wait) or self._stale:
                 self.reload_tree()
 
     def reload_tree(self) -> None:
         """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
             self._load()
+            self._stale = False
             self.forget({fid for fid in self._open if fid not in self.records})
 
     def commit_prompt(
@@ -205,121 +210,170 @@ class Catalog:
         the prompt was stored already). Returns ``(file_id, leaf)`` when the file was
         committed, ``None`` when it is not needed (another writer stored the prompt
         meanwhile) or cannot be used (part of the prefix it extends was removed); the
-        caller then deletes it. With a disk ``budget`` and an `evictor`, the same
-        transaction removes what the new file needs room for.
+        caller then removes it with `discard`. With a disk ``budget`` and an `evictor`,
+        the same transaction removes what the new file needs room for.
+
+        An exception means nothing was committed. Once the transaction has committed,
+        a step after it that fails (the tree update, the removals' bookkeeping) is
+        logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
+        the prompt stays stored.
         """
+        arr = as_tokens(tokens)
         removal: list = []
-        try:
-            with self.lock:
-                done = self._commit_prompt(as_tokens(tokens), matched, new_file, budget, removal)
+        with self.lock:
+            try:
+                staged = self._index_prompt(arr, matched, new_file, budget, removal)
+            except BaseException:
+                if removal:  # leaves were taken out of the tree for a transaction that failed
+                    self.reload_tree()
+                raise
+            if staged is None:
+                return None
+            # committed: from here on a failure never undoes the commit
+            plan, ids, file_id, record = staged
+            try:
+                leaf = self._follow_prompt(plan, ids, file_id, record)
                 if removal and removal[0] is not None:
                     removal[0].settle()
-        except BaseException:
-            if removal:  # leaves were taken out of the tree for a transaction that failed
-                self.reload_tree()
-            raise
+            except BaseException as exc:
+                self.after_commit_failed("a stored prompt's tree update", exc)
+                leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
+                if not isinstance(exc, Exception):
+                    raise
         if removal and removal[0] is not None:
-            removal[0].release()
-        return done
+            try:
+                removal[0].release()
+            except Exception as exc:  # noqa: BLE001 - the removed files stay as orphans
+                self.after_commit_failed("unlinking files the disk budget removed", exc, reload=False)
+        return (file_id, leaf) if record is not None else None
 
-    def _commit_prompt(
+    def after_commit_failed(self, step: str, exc: BaseException, reload: bool = True) -> None:
+        """A step after a committed transaction failed: log and count it and bring the
+        tree back in line with the index (reloaded now, or at the next `refresh` if the
+        reload fails too). Never removes anything the index holds."""
+        self.after_commit_failures += 1
+        log.warning("%s failed after its index transaction committed (kept; the tree follows the index): %r", step, exc)
+        if not reload:
+            return
+        self._stale = True
+        try:
+            self.reload_tree()
+        except Exception as again:  # noqa: BLE001 - reloaded at the next refresh
+            log.warning("reloading the tree failed as well (retried at the next look at the index): %r", again)
+
+    def _index_prompt(
         self, arr: np.ndarray, matched: int, new_file: NewFile | None, budget: int | None, removal: list
-    ) -> tuple[int, RadixNode | None] | None:
+    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord | None] | None:
+        """`commit_prompt`'s transaction; returns what the tree needs to follow it (``None``:
+        nothing committed, the prefix changed)."""
         ids: dict[str, int] = {}
-        with self.lock:
-            with self.index.transaction() as conn:
-                self.refresh()  # under the write lock: nobody commits between this and ours
-                now_m = self.tree.match(arr).length
-                if new_file is not None and now_m < matched:
-                    log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
-                    return None  # part of the prefix this file extends was removed meanwhile
-                if now_m == len(arr):
-                    new_file = None  # stored meanwhile by another writer
-                file_id = self.index.add_file(conn, new_file) if new_file is not None else -1
-                file_tokens = None if new_file is None else as_tokens(new_file.tokens)
-                plan = self.tree.plan_insert(arr, file_id, now_m - matched, file_tokens)
-                parent_id = plan.parent.id
-                if plan.split is not None:
-                    old, k = plan.split
-                    assert old.parent is not None
-                    self.index.delete_node(conn, old.id)
-                    ids["upper"] = self.index.add_node(
-                        conn, old.parent.id, old.file_id, old.file_row, k, int(plan.leaf is None)
-                    )
-                    ids["lower"] = self.index.add_node(
-                        conn, ids["upper"], old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal
-                    )
-                    self.index.reparent(conn, old.id, ids["lower"])
-                    parent_id = ids["upper"]
-                if plan.leaf is not None:
-                    leaf_tokens, _, row = plan.leaf
-                    ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
-                elif plan.terminal is not None:
-                    self.index.add_terminal(conn, plan.terminal.id)
-                record = None if new_file is None else _record_of(file_id, new_file)
-                if budget is not None and self.evictor is not None and record is not None:
-                    keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
-                    removal.append(None)  # (from here on, a failure reloads the tree)
-                    removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
-            # committed: now the tree follows
-            if record is not None:
-                self._add_record(record)
-            parent = plan.parent
+        with self.index.transaction() as conn:
+            self.refresh()  # under the write lock: nobody commits between this and ours
+            now_m = self.tree.match(arr).length
+            if new_file is not None and now_m < matched:
+                log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
+                return None  # part of the prefix this file extends was removed meanwhile
+            if now_m == len(arr):
+                new_file = None  # stored meanwhile by another writer
+            file_id = self.index.add_file(conn, new_file) if new_file is not None else -1
+            file_tokens = None if new_file is None else as_tokens(new_file.tokens)
+            plan = self.tree.plan_insert(arr, file_id, now_m - matched, file_tokens)
+            parent_id = plan.parent.id
             if plan.split is not None:
                 old, k = plan.split
-                parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
-                self._on_split(old.id, (ids["upper"], ids["lower"]), k)
-                if plan.leaf is None:
-                    parent.terminal += 1
-            leaf = None
+                assert old.parent is not None
+                self.index.delete_node(conn, old.id)
+                ids["upper"] = self.index.add_node(
+                    conn, old.parent.id, old.file_id, old.file_row, k, int(plan.leaf is None)
+                )
+                ids["lower"] = self.index.add_node(
+                    conn, ids["upper"], old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal
+                )
+                self.index.reparent(conn, old.id, ids["lower"])
+                parent_id = ids["upper"]
             if plan.leaf is not None:
                 leaf_tokens, _, row = plan.leaf
-                leaf = self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
+                ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
             elif plan.terminal is not None:
-                plan.terminal.terminal += 1
-            return (file_id, leaf) if record is not None else None
+                self.index.add_terminal(conn, plan.terminal.id)
+            record = None if new_file is None else _record_of(file_id, new_file)
+            if budget is not None and self.evictor is not None and record is not None:
+                keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
+                removal.append(None)  # (from here on, a failure reloads the tree)
+                removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
+        return plan, ids, file_id, record
+
+    def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord | None) -> RadixNode | None:
+        """The tree (and file table) after `_index_prompt`'s commit; returns the new leaf."""
+        if record is not None:
+            self._add_record(record)
+        parent = plan.parent
+        if plan.split is not None:
+            old, k = plan.split
+            parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
+            self._on_split(old.id, (ids["upper"], ids["lower"]), k)
+            if plan.leaf is None:
+                parent.terminal += 1
+        if plan.leaf is not None:
+            leaf_tokens, _, row = plan.leaf
+            return self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
+        if plan.terminal is not None:
+            plan.terminal.terminal += 1
+        return None
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile
-    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
+    ) -> tuple[int, RadixNode | None, list[FileRecord]] | None:
         """Point ``node`` at ``new_file`` (its rows rewritten) in one index transaction,
         then in the tree: a new node takes its place, its children and its count of
         stored sequences. Returns ``(file_id, new node, dropped files)`` (the files no
         node references any more: the caller unlinks them when no lease holds them), or
         ``None`` when ``node`` is no longer in the tree as it was (split, removed or
         replaced meanwhile, by this or another process); the caller then deletes the
-        new file."""
+        new file (`discard`). An exception means nothing was committed; a failure of the
+        tree update after the commit is handled as in `commit_prompt` (the new node is
+        then the reloaded tree's, or ``None`` if that reload failed too and waits for the
+        next refresh; the dropped files are still returned)."""
         with self.lock:
             try:
-                return self._replace_node(node, new_file)
+                staged = self._index_replacement(node, new_file)
             except BaseException:
                 self.reload_tree()
                 raise
-
-    def _replace_node(
-        self, node: RadixNode, new_file: NewFile
-    ) -> tuple[int, RadixNode, list[FileRecord]] | None:
-        with self.lock:
-            with self.index.transaction() as conn:
-                self.refresh()  # under the write lock: nobody commits between this and ours
-                current = self.tree.get(node.id)
-                if (
-                    current is None or current.parent is None or current.file_id != node.file_id
-                    or current.file_row != node.file_row or len(current.tokens) != len(node.tokens)
-                ):
-                    return None
-                node = current  # the same node, perhaps reloaded from the index
-                file_id = self.index.add_file(conn, new_file)
-                new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
-                self.index.reparent(conn, node.id, new_id)
-                self.index.delete_node(conn, node.id)
-                old_file = self.drop_file_if_unreferenced(conn, node.file_id)  # the only one that can go
-                dropped = [old_file] if old_file is not None else []
-                record = self.index.file(file_id)
-            assert record is not None
-            self._add_record(record)
-            new = self.tree.replace(node, new_id, file_id, 0)
+            if staged is None:
+                return None
+            node, new_id, file_id, record, dropped = staged
+            try:
+                self._add_record(record)
+                new = self.tree.replace(node, new_id, file_id, 0)
+            except BaseException as exc:
+                self.after_commit_failed("a rewritten node's tree update", exc)
+                if not isinstance(exc, Exception):
+                    raise
+                new = self.tree.get(new_id)  # None while the tree waits for its reload
             return file_id, new, dropped
+
+    def _index_replacement(
+        self, node: RadixNode, new_file: NewFile
+    ) -> tuple[RadixNode, int, int, FileRecord, list[FileRecord]] | None:
+        with self.index.transaction() as conn:
+            self.refresh()  # under the write lock: nobody commits between this and ours
+            current = self.tree.get(node.id)
+            if (
+                current is None or current.parent is None or current.file_id != node.file_id
+                or current.file_row != node.file_row or len(current.tokens) != len(node.tokens)
+            ):
+                return None
+            node = current  # the same node, perhaps reloaded from the index
+            file_id = self.index.add_file(conn, new_file)
+            new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
+            self.index.reparent(conn, node.id, new_id)
+            self.index.delete_node(conn, node.id)
+            old_file = self.drop_file_if_unreferenced(conn, node.file_id)  # the only one that can go
+            dropped = [old_file] if old_file is not None else []
+            record = self.index.file(file_id)
+        assert record is not None
+        return node, new_id, file_id, record, dropped
 
     def remove(self, conn: object, node: RadixNode) -> None:
         """Remove a leaf from the index (inside ``conn``'s transaction) and the tree.
@@ -454,6 +508,21 @@ class Catalog:
     def remeasure(self) -> None:
         """Measure the index file and the directories again at the next `disk_bytes`."""
         self._fixed = None
+
+    def discard(self, name: str) -> None:
+        """Remove a new chunk file the index did not take (its commit failed or was not
+        needed). A file the index holds is never removed: its name is looked up in the
+        index first, and when the index cannot answer the file stays (an unindexed file
+        is removed when the store is next opened)."""
+        try:
+            held = self.index.has_file(name)
+        except Exception as exc:  # noqa: BLE001 - kept: the next open removes it if unindexed
+            log.warning("keeping %s: the index cannot say whether it holds it (%r)", name, exc)
+            return
+        if held:
+            log.warning("keeping %s: the index holds it", name)
+            return
+        self.unlink(name)
 
     def unlink(self, name: str) -> None:
         """Remove a chunk file the store wrote (by name, relative to ``chunks/``)."""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
-from ..storage.base import disk_bytes, kind_of
+from ..storage.base import create_file, disk_bytes, kind_of
 
 #: errors that mean "this path cannot be written"
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -94,19 +94,7 @@ def prepare(path: Path, chunk_dir: str, index_name: str, file_mode: int, read_on
     ensure_dir(path / chunk_dir, mode, "the chunk files' folder")
 
 
-# -- durable files ------------------------------------------------------------------------
-def create_file(dir_fd: int, name: str, mode: int) -> int:
-    """Create the new file ``name`` in the directory ``dir_fd`` (never an existing one,
-    never through a link) with ``mode`` whatever the umask; returns a writable descriptor."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    try:
-        os.fchmod(fd, mode)  # the mode of os.open is masked by the umask
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
+# -- durable files (new ones made by `storage.base.create_file`, re-exported here) ------------
 def publish(dir_fd: int, tmp: str, name: str, fsync: bool, replace: bool = True) -> bool:
     """Give the written (and, with ``fsync``, flushed) file ``tmp`` its final ``name`` in
     the directory ``dir_fd``, then flush the directory so the name survives a crash.

@@ -161,19 +161,14 @@ class StoreGC:
             if used <= budget:
                 break
             with catalog.lock:
-                removed, dropped, stuck = self._evict_batch(budget, bound, protected, used)
-            for rec in dropped:
-                self._leases.defer_unlink(rec.id, rec.name)
-            result["removed_prefixes"] += removed
-            result["removed_files"] += len(dropped)
-            result["freed_bytes"] += sum(rec.file_bytes for rec in dropped)
-            if stuck or removed < BATCH:
+                removal, stuck = self._evict_batch(budget, bound, protected, used)
+            removal.release()  # (unlinks and counts)
+            result["removed_prefixes"] += len(removal.victims)
+            result["removed_files"] += len(removal.dropped)
+            result["freed_bytes"] += removal.freed
+            if stuck or len(removal.victims) < BATCH:
                 break
         self._trim_wal(bound)
-        c = self.counters
-        c.prefixes_evicted += result["removed_prefixes"]
-        c.files_evicted += result["removed_files"]
-        c.disk_bytes_evicted += result["freed_bytes"]
         after = catalog.disk_bytes(catalog.index.wal_bytes())
         if stuck and after > budget:
             log.warning(
@@ -220,12 +215,10 @@ class StoreGC:
             return None
         return Removal(self, victims, dropped, back)
 
-    def _evict_batch(
-        self, budget: int, wal_room: int, protected: set[int], used: int
-    ) -> tuple[int, list[FileRecord], bool]:
+    def _evict_batch(self, budget: int, wal_room: int, protected: set[int], used: int) -> tuple[Removal, bool]:
         """Up to `BATCH` removals in one index transaction (under the catalog lock), from
-        ``used`` bytes (`_used`, just measured). Returns how many leaves went, the files
-        that went with them and whether it ran out of candidates."""
+        ``used`` bytes (`_used`, just measured). Returns them, settled (`Removal.release`
+        is the caller's, outside the lock), and whether it ran out of candidates."""
         catalog = self._catalog
         chunk_bytes = catalog.chunk_bytes
         try:
@@ -241,8 +234,12 @@ class StoreGC:
         except BaseException:
             catalog.reload_tree()
             raise
-        Removal(self, victims, dropped, back).settle()
-        return len(victims), dropped, exhausted
+        removal = Removal(self, victims, dropped, back)
+        try:
+            removal.settle()
+        except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
+            catalog.after_commit_failed("the disk budget's bookkeeping", exc)
+        return removal, exhausted
 
     def _remove_leaves(
         self, conn: object, budget: int, used: int, protected: set[int]
@@ -314,6 +311,11 @@ class Removal:
         gc._values.push([n for n in self.back if gc._catalog.tree.get(n) is not None])
         gc._catalog.forget({rec.id for rec in self.dropped}, self.dropped)
 
+    @property
+    def freed(self) -> int:
+        """Bytes the dropped files take on disk."""
+        return sum(rec.file_bytes for rec in self.dropped)
+
     def release(self) -> None:
         """Outside the lock: unlink the files (once no request leases them), count."""
         for rec in self.dropped:
@@ -321,7 +323,7 @@ class Removal:
         c = self.gc.counters
         c.prefixes_evicted += len(self.victims)
         c.files_evicted += len(self.dropped)
-        c.disk_bytes_evicted += sum(rec.file_bytes for rec in self.dropped)
+        c.disk_bytes_evicted += self.freed
 
 
 def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:

@@ -243,7 +243,7 @@ class ImpressStore:
             self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._leases.unlinker.close,
             lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
             self._remote.close,  # after the fetch threads: their reads may fill linked files
-            self.save_block_stats, self._stats_closed, self._reader.close, self._catalog.close, self.index.close,
+            self.save_block_stats, lambda: setattr(self._stats, "closed", True), self._reader.close, self._catalog.close, self.index.close,
         )
         failure: BaseException | None = None
         for step in steps:
@@ -253,9 +253,6 @@ class ImpressStore:
                 failure = failure or exc
         if failure is not None:
             raise failure
-
-    def _stats_closed(self) -> None:
-        self._stats.closed = True
 
     def flush(self) -> None:
         """Block until every prompt handed to `put_async` is on disk and indexed, then
@@ -377,13 +374,13 @@ class ImpressStore:
         *,
         decode: bool = False,
         known: Mapping[int, torch.Tensor] | None = None,
-        place_hits: bool = True,
+        place_hits: bool = True, inline: bool = False,
     ) -> PendingRead:
         """Start reading the blocks of ``units`` of a prefix layout for ``layers`` (the disk
-        reads run in the background); see `BlockIO.start_layout`."""
+        reads run in the background, or here if ``inline``); see `BlockIO.start_layout`."""
         self._check_open()
         return self._io.start_layout(
-            layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits
+            layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits, inline=inline
         )
 
     # -- writes ----------------------------------------------------------------------
@@ -501,7 +498,9 @@ class ImpressStore:
         -------
         dict
             Writes: ``prompts_written``, ``tokens_written``, ``bytes_written``,
-            ``write_seconds``; reads: ``bytes_read_disk`` (bytes really read from disk,
+            ``write_seconds``, ``write_failures``, ``after_commit_failures`` (steps after a
+            committed index transaction that failed: the commit stays, the tree is
+            reloaded from the index); reads: ``bytes_read_disk`` (bytes really read from disk,
             K/V and probe blocks, including alignment gaps of merged reads),
             ``blocks_read`` (blocks read from disk); ``quarantined_files``, ``nodes``,
             ``files``, ``disk_bytes``.
@@ -538,7 +537,7 @@ class ImpressStore:
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
             len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
-        out.update(self._reorder.stats())
+        out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
         out["remote"] = self._remote.stats()
         return out
 
@@ -546,6 +545,7 @@ class ImpressStore:
         """Zero the counters of `stats` (tier residency and block statistics stay)."""
         self._writer.counters = type(self._writer.counters)()
         self._gc.counters = type(self._gc.counters)()
+        self._catalog.after_commit_failures = 0
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()

@@ -6,8 +6,9 @@ every block with a seed that binds it to this file, these tokens and its place
 (`storage.base.block_seeds`), writes a new chunk file under a temporary name whose
 header describes it completely (tokens, positions, checksums, model), fsyncs it, renames
 it, fsyncs the directory and only then commits the file and the radix nodes in one index
-transaction. The in-memory tree changes only after that commit; if anything fails, the
-file is removed and the store is as it was.
+transaction. The in-memory tree changes only after that commit; if anything fails before
+it, the file is removed and the store is as it was. A failure after the commit never
+removes the file (`Catalog.commit_prompt`, `Catalog.discard`): the prompt stays stored.
 """
 
 from __future__ import annotations
@@ -175,12 +176,14 @@ class PromptWriter:
         with catalog.gate.creating():  # (the leftover scan waits)
             new_file, final = self._write_file(tokens, m, keys, values)
             try:
+                # raises only when nothing was committed: a failure after the commit is
+                # handled there (logged, counted, tree reloaded) and the file stays
                 done = catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
             except BaseException:
-                catalog.unlink(final)
+                catalog.discard(final)
                 raise
             if done is None:  # stored meanwhile by another writer, or its prefix was removed
-                catalog.unlink(final)
+                catalog.discard(final)
                 return
         file_id, leaf = done
         c = self.counters

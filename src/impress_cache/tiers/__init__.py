@@ -6,6 +6,7 @@ and victim planning. Nothing in this package imports torch or the rest of the st
 """
 
 from .heaps import DEVICE, HOST, TIERS
-from .manager import DEFAULT_CLASS_SHARES, TierError, TierManager
+from ..errors import TierError
+from .manager import DEFAULT_CLASS_SHARES, TierManager
 
 __all__ = ["DEFAULT_CLASS_SHARES", "DEVICE", "HOST", "TIERS", "TierError", "TierManager"]

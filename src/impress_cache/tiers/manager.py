@@ -42,14 +42,14 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TierError
 from ..validate import check_class_shares, check_int
 from .budget import TierSpace
 from .counters import TierCounters
 from .heaps import DEVICE, HOST, TIERS, Resident, TierHeaps
 from .policies.base import EvictionPolicy
 from .touchlog import MAX_PENDING, TouchLog
-from .view import TierError, TierView
+from .view import TierView
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from ..errors import ImpressError
+from ..errors import TierError
 from .budget import TierSpace
 from .heaps import TIERS, Resident
 
-
-class TierError(ImpressError, ValueError):
-    """The tier manager was called with an invalid argument."""
+__all__ = ["TierError", "TierView"]  # (TierError lives in errors.py; its old path still imports)
 
 
 class TierView:

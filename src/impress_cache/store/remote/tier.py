@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -63,6 +64,8 @@ class RemoteCounters:
     bytes_downloaded: int = 0
     objects_uploaded: int = 0
     bytes_uploaded: int = 0
+    #: bytes of local chunk files read by uploads (a header per file; the whole file only when uploaded)
+    local_bytes_read: int = 0
     prompts_advertised: int = 0
     uploads_dropped: int = 0
     bad_objects: int = 0
@@ -239,12 +242,10 @@ class RemoteTier:
             try:
                 done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
             except BaseException:
-                self.files.drop(name)
-                cat.unlink(name)
+                cat.discard(name)  # (its sidecar with it)
                 raise
             if done is None:
-                self.files.drop(name)
-                cat.unlink(name)
+                cat.discard(name)
                 return
         self.counters.objects_linked += 1
         file_id, leaf = done
@@ -325,17 +326,8 @@ class RemoteTier:
                 log.debug("remote tier: %s is gone locally; not uploading its prompt", local)
                 return
             with os.fdopen(fd, "rb") as f:
-                data = f.read()
-            # never upload damage; the name carries the file's UUID, so no other file's
-            # object is ever overwritten
-            name = parse_object(data, None, self.ns, self._spec, self._probe, self._row_bytes).object
-            if self.backend.head(name) != len(data):
-                self.backend.put(name, data)
-                self.counters.objects_uploaded += 1
-                self.counters.bytes_uploaded += len(data)
-            else:
-                self.backend.put(use_name(name), b"")
-            chain.append(ChainEntry(name, first_pos, end, len(data)))
+                name, size = self._offer(f)
+            chain.append(ChainEntry(name, first_pos, end, size))
         manifest = Manifest(job.tokens, tuple(chain))
         man = manifest_name(self.ns, job.tokens, [c.object for c in chain])
         raw = manifest.encode()
@@ -346,6 +338,36 @@ class RemoteTier:
         self.counters.prompts_advertised += 1
         if self._cfg.remote_bytes is not None:
             self.enforce_budget(keep={c.object for c in chain})
+
+    def _offer(self, f: BinaryIO) -> tuple[str, int]:
+        """Upload a local chunk file unless its object is on the server already; returns
+        the object's name and size. The header alone names the object: it is read, the
+        object looked up (HEAD), and the whole file read and checked only when it must be
+        uploaded (a damaged file is never uploaded; the name carries the file's UUID, so
+        no other file's object is ever overwritten)."""
+        size = os.fstat(f.fileno()).st_size
+        head = self._read_local(f, 8)
+        n = header_length(head)
+        if n > size:
+            raise BadObject("local file shorter than its header")
+        head += self._read_local(f, n - len(head))
+        name = parse_object(head, None, self.ns, self._spec, self._probe, self._row_bytes, size=size).object
+        if self.backend.head(name) == size:
+            self.backend.put(use_name(name), b"")  # advertised again: recent for the remote budget
+            return name, size
+        data = head + self._read_local(f, size - len(head))
+        parse_object(data, name, self.ns, self._spec, self._probe, self._row_bytes)  # BadObject if it changed meanwhile
+        self.backend.put(name, data)
+        self.counters.objects_uploaded += 1
+        self.counters.bytes_uploaded += len(data)
+        return name, size
+
+    def _read_local(self, f: BinaryIO, n: int) -> bytes:
+        data = f.read(n)
+        self.counters.local_bytes_read += len(data)
+        if len(data) != n:
+            raise BadObject("local file shorter than its header says")
+        return data
 
     # -- remote space ------------------------------------------------------------------
     def enforce_budget(self, keep: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]

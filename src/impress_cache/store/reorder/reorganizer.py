@@ -224,10 +224,10 @@ class Reorganizer:
             try:
                 done = self._catalog.replace_node(node, new_file)
             except BaseException:
-                self._catalog.unlink(name)
+                self._catalog.discard(name)
                 raise
             if done is None:
-                self._catalog.unlink(name)
+                self._catalog.discard(name)
         c = self.counters
         c.bytes_read += nbytes_read
         if done is None:

@@ -142,7 +142,7 @@ class Reordering:
         return ks, vs, nbytes
 
     def _replaced(
-        self, old: RadixNode, new: RadixNode, file_id: int, dropped: list[FileRecord], order: np.ndarray
+        self, old: RadixNode, new: RadixNode | None, file_id: int, dropped: list[FileRecord], order: np.ndarray
     ) -> None:
         catalog = self._catalog
         for rec in dropped:
@@ -150,6 +150,8 @@ class Reordering:
             # process closes its descriptor only when the last lease goes, then unlinks
             forget = functools.partial(catalog.forget, (rec.id,), (rec,))
             self._leases.defer_unlink(rec.id, rec.name, before=forget)
+        if new is None:  # the tree did not follow the commit yet (`Catalog.replace_node`)
+            return
         self.importance.move(old.id, new.id)
         self.importance.settle(new.id)
         self._values.inherit(old.id, [new.id])
