@@ -14,26 +14,37 @@ about attention. K/V written by the growth phase are random tensors of the right
 
 At each size:
 
-* **below the budget**: write throughput (prompts/s of ``put_async`` windows of 200,
-  until flushed) while requests run on the main thread; ImpressCache construction p50/p99
-  and ``generate`` (4 new tokens) p50 of requests that reuse a stored prompt and add 8
-  tokens;
-* **at the budget**: ``disk_bytes`` is set to the store's current size, and the same
-  writes and requests run again; every write then removes about one stored prompt. Also
-  eviction seconds per write (mean and p99): the removals inside the write's own index
-  transaction (`StoreGC.evict_within`; their commit is the write's) plus
-  `ImpressStore.enforce_disk_budget` after it. Then the budget is lifted and the store
-  grows on;
-* **open**: in a fresh process, `ImpressStore(path, None)` seconds and the growth of its
-  resident set (VmRSS) per stored token (distinct tokens in the index), without memory
-  tiers; and the RSS with the default tiers, which also hold the saved block
-  statistics of the requests that ran (how many depends on how long the phases took);
+* **below and at the budget**: ``--writes`` writes (default 400) of ``put_async`` in the
+  background while requests run on the main thread, in ``--windows`` pairs of windows
+  (default 8: 50 writes each, flushed at the end) that alternate below, at, at, below,
+  below, at, ...: a below-budget window lifts ``disk_bytes``; an at-budget window sets
+  it to what the store counts at its start (its bytes on disk with the WAL's room,
+  `StoreGC._used`; a WAL the window before left past the WAL's room is checkpointed
+  first, as a store living at its budget would have done), so every write in it removes
+  about one stored prompt. Reported per
+  phase: the median window's write rate (prompts/s until flushed) and every window's,
+  ImpressCache construction p50/p99 and ``generate`` (4 new tokens) p50 of requests that
+  reuse a stored prompt and add 8 tokens; at the budget also eviction seconds per write
+  (mean and p99): the removals inside the write's own index transaction
+  (`StoreGC.evict_within`; their commit is the write's) plus
+  `ImpressStore.enforce_disk_budget` after it. ``throughput_ratio`` is the median over
+  the pairs of at / below (interleaving puts a slow spell of the shared disk or CPU on
+  both phases; a window's rate varies by +-30% on a busy machine). Then the budget is
+  lifted and the store grows on;
+* **open**: in a fresh process, `ImpressStore(path, None)` seconds (``open_s``: until
+  the constructor returns; ``ready_s``: until the work it leaves to the writer thread,
+  the node statistics and the crash-leftover scan, is done, `flush`) and the growth of
+  its resident set (VmRSS, measured after that work) per stored token (distinct tokens
+  in the index), without memory tiers; and the RSS with the default tiers, which also
+  hold the saved block statistics of the requests that ran (how many depends on how
+  long the phases took);
 * **match**: `ImpressStore.match` of stored prompts plus 8 new tokens, p50/p99;
 * **footprint**: `store.disk_bytes()` (what the budget counts) and ``du`` of the store
   over the raw K/V bytes of the stored tokens.
 
 The machine is shared with other jobs: timings are noisy; the ratios compare runs of the
-same process at the same size.
+same process at the same size. ``--keep DIR`` keeps the built store (``DIR/store``);
+``--keep DIR --reuse --sizes N`` measures that store again without growing it.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.hf.compat import CACHE_KWARG
+from impress_cache.store.gc import wal_bound
 
 VOCAB = 4096
 SYSTEMS, SYSTEM_LEN, USER_LEN = 50, 120, (64, 100)
@@ -148,12 +160,13 @@ def requests(model, store: ImpressStore, prompts: Prompts, stored: int, writer: 
     return {
         "requests": len(build),
         "construct_ms_p50": 1e3 * _pct(build, 50), "construct_ms_p99": 1e3 * _pct(build, 99),
-        "generate_ms_p50": 1e3 * _pct(gen, 50),
+        "generate_ms_p50": 1e3 * _pct(gen, 50), "raw": {"build": build, "gen": gen},
     }
 
 
-def phase(model, store: ImpressStore, prompts: Prompts, start: int, count: int, stored: int, n_req: int) -> dict:
-    """``count`` writes in the background while requests run; returns both sides."""
+def window(model, store: ImpressStore, prompts: Prompts, start: int, count: int, stored: int, n_req: int) -> dict:
+    """``count`` writes in the background while requests run; returns both sides (the
+    requests' and evictions' single times under ``"raw"``)."""
     evictions: list[float] = []
     enforce, evictor = store._gc.enforce, store._catalog.evictor
     within = [0.0]  # seconds of the removals inside the current write's transaction
@@ -182,9 +195,57 @@ def phase(model, store: ImpressStore, prompts: Prompts, start: int, count: int, 
         raise writer.error
     return {
         "writes": count, "write_prompts_per_s": writer.prompts_per_s, **req,
-        "evicted_prefixes": store.stats()["prefixes_evicted"] - before,
-        "eviction_ms_mean": 1e3 * statistics.fmean(evictions) if evictions else 0.0,
-        "eviction_ms_p99": 1e3 * _pct(evictions, 99) if evictions else 0.0,
+        "evicted_prefixes": store.stats()["prefixes_evicted"] - before, "raw": {**req.pop("raw"), "evict": evictions},
+    }
+
+
+def _summary(windows: list[dict]) -> dict:
+    """One phase from its windows: the median window's write rate, request and eviction
+    percentiles over every request and write of the phase."""
+    build = [x for w in windows for x in w["raw"]["build"]]
+    gen = [x for w in windows for x in w["raw"]["gen"]]
+    ev = [x for w in windows for x in w["raw"]["evict"]]
+    return {
+        "writes": sum(w["writes"] for w in windows),
+        "write_prompts_per_s": statistics.median(w["write_prompts_per_s"] for w in windows),
+        "write_prompts_per_s_windows": [w["write_prompts_per_s"] for w in windows],
+        "requests": len(build),
+        "construct_ms_p50": 1e3 * _pct(build, 50), "construct_ms_p99": 1e3 * _pct(build, 99),
+        "generate_ms_p50": 1e3 * _pct(gen, 50),
+        "evicted_prefixes": sum(w["evicted_prefixes"] for w in windows),
+        "eviction_ms_mean": 1e3 * statistics.fmean(ev) if ev else 0.0,
+        "eviction_ms_p99": 1e3 * _pct(ev, 99) if ev else 0.0,
+    }
+
+
+def phases(model, store: ImpressStore, prompts: Prompts, start: int, args: argparse.Namespace) -> dict:
+    """Writes below and at the budget in ``args.windows`` pairs of windows of
+    ``args.writes // args.windows`` writes each, the two kinds interleaved (below, at,
+    at, below, below, at, ...): both see the same machine, so a slow spell of the shared
+    disk or CPU lands on both. Each at-budget window sets ``disk_bytes`` to what the
+    store counts at its start (`StoreGC._used`: its bytes with the WAL's room), so every
+    write in it removes about one stored prompt; below-budget windows lift the budget.
+    Returns both phases (`_summary`) and the throughput ratio: the median over pairs of
+    at / below."""
+    per = max(1, args.writes // args.windows)
+    n_req = max(1, args.requests // args.windows)
+    runs: dict[str, list[dict]] = {"below": [], "at": []}
+    written = start
+    for pair in range(args.windows):
+        for mode in ("below", "at") if pair % 2 == 0 else ("at", "below"):
+            if mode == "at":
+                room = wal_bound(store.disk_bytes())
+                store._gc._trim_wal(room)  # the WAL a below window left past the room: not this window's
+                store.config.disk_bytes = store._gc._used(room)
+            else:
+                store.config.disk_bytes = None
+            runs[mode].append(window(model, store, prompts, written, per, written, n_req))
+            written += per
+    store.config.disk_bytes = None
+    ratios = [a["write_prompts_per_s"] / b["write_prompts_per_s"] for a, b in zip(runs["at"], runs["below"])]
+    return {
+        "below": _summary(runs["below"]), "at": _summary(runs["at"]), "written": written,
+        "throughput_ratio": statistics.median(ratios), "throughput_ratios": ratios,
     }
 
 
@@ -200,9 +261,11 @@ torch.set_num_threads(1)
 gc.collect(); r0 = rss(); t0 = time.perf_counter()
 tiers = {} if sys.argv[2] == "tiers" else {"device_bytes": 0, "host_bytes": 0}
 store = ImpressStore(sys.argv[1], None, ImpressConfig(reorg_idle_ms=None, **tiers))
-t1 = time.perf_counter(); gc.collect(); r1 = rss()
+t1 = time.perf_counter()
+store.flush()  # the work open leaves to the writer thread (node statistics, crash-leftover scan)
+t2 = time.perf_counter(); gc.collect(); r1 = rss()
 tokens = sum(r.n_tokens for r in store._catalog.records.values())
-out = {"open_s": t1 - t0, "rss_bytes": r1 - r0, "stored_tokens": tokens, "nodes": len(store.tree),
+out = {"open_s": t1 - t0, "ready_s": t2 - t0, "rss_bytes": r1 - r0, "stored_tokens": tokens, "nodes": len(store.tree),
        "files": len(store._catalog.records)}
 store.close()
 print(json.dumps(out))
@@ -223,6 +286,7 @@ def open_cost(path: Path) -> dict:
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = min(runs["bare"], key=lambda r: r["open_s"])
     best["open_s_median"] = statistics.median(r["open_s"] for r in runs["bare"])
+    best["ready_s_median"] = statistics.median(r["ready_s"] for r in runs["bare"])
     best["rss_bytes_per_token"] = best["rss_bytes"] / max(1, best["stored_tokens"])
     tiers = min(runs["tiers"], key=lambda r: r["rss_bytes"])
     best["rss_bytes_per_token_tiers"] = tiers["rss_bytes"] / max(1, tiers["stored_tokens"])
@@ -255,8 +319,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = Prompts()
     root = Path(tempfile.mkdtemp(prefix="impress-scale-", dir=args.dir)) if args.keep is None else args.keep
     path = root / "store"
-    if path.exists():
-        raise SystemExit(f"{path} exists: --keep needs a new directory")
+    reuse = path.exists() and args.reuse
+    if path.exists() and not reuse:
+        raise SystemExit(f"{path} exists: --keep needs a new directory (or --reuse)")
+    if reuse and len(args.sizes) != 1:
+        raise SystemExit("--reuse measures one size: give it as --sizes")
     # the request settings of results/scale.json (the library defaults of its day): sparse
     # prefill of 25% of the rows, the rest read after it, no re-computation of new tokens
     cfg = ImpressConfig(  # the store's (mutable) config
@@ -265,28 +332,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     grow_cfg = ImpressConfig(reorg_idle_ms=None, fsync=not args.no_fsync)
     results: list[dict[str, Any]] = []
-    written = 0
+    # prompts 0 .. written - 1 went into the store (a reused one records how many)
+    written = json.loads((root / "written.json").read_text())["written"] if reuse else 0
     try:
         store = ImpressStore(path, model, cfg)
         for size in args.sizes:
             t0 = time.perf_counter()
             store.config.fsync = False  # growth only: the measured phases below fsync
-            grow = Writer(store, prompts, written, size)
+            grow = Writer(store, prompts, written, size if not reuse else written)
             grow.run()
             store.config.fsync = grow_cfg.fsync
             if grow.error is not None:
                 raise grow.error
-            written = size
+            written = size if not reuse else written
             print(f"[{size}] grown in {time.perf_counter() - t0:.1f} s ({grow.prompts_per_s:.0f} prompts/s)", flush=True)
             row: dict[str, Any] = {"prompts": size, "growth_prompts_per_s": grow.prompts_per_s}
-            w = args.writes
-            row["below"] = phase(model, store, prompts, written, w, written, args.requests)
-            written += w
-            store.config.disk_bytes = store.disk_bytes()
-            row["budget_bytes"] = store.config.disk_bytes
-            row["at"] = phase(model, store, prompts, written, w, written, args.requests)
-            written += w
-            store.config.disk_bytes = None
+            both = phases(model, store, prompts, written, args)
+            written = both.pop("written")
+            row.update(both)
+            if args.keep is not None:
+                (root / "written.json").write_text(json.dumps({"written": written}))
             row["stored_prompts"] = sum(1 for n in store.tree.nodes() if not n.children)
             row.update(match_latency(store, prompts, written))
             row["disk_bytes"] = store.disk_bytes()
@@ -296,7 +361,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["raw_kv_bytes"] = row["stored_tokens"] * store.spec.kv_bytes_per_token
             row["footprint_ratio"] = row["du_bytes"] / row["raw_kv_bytes"]
             b, a = row["below"], row["at"]
-            row["throughput_ratio"] = a["write_prompts_per_s"] / b["write_prompts_per_s"]
             row["construct_p99_ratio"] = a["construct_ms_p99"] / b["construct_ms_p99"]
             results.append(row)
             print(json.dumps(row, indent=1), flush=True)
@@ -354,16 +418,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="sizes 300, 1000, 3000; fewer writes and requests")
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--writes", type=int, default=None, help="writes per phase (default 400, quick 100)")
+    ap.add_argument("--windows", type=int, default=None,
+                    help="pairs of below/at-budget windows the writes are split into (default 8, quick 4)")
     ap.add_argument("--requests", type=int, default=None, help="requests per phase at least (default 100, quick 30)")
     ap.add_argument("--no-fsync", action="store_true", help="ImpressConfig(fsync=False)")
     ap.add_argument("--dir", default=None, help="where the store is built (default: the temp directory)")
     ap.add_argument("--keep", type=Path, default=None,
                     help="build the store in KEEP/store and keep it (to profile the largest size afterwards)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: measure the store KEEP/store kept by an earlier run (one size, no growth)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     args.sizes = args.sizes or ([300, 1000, 3000] if args.quick else [1000, 10000, 50000])
     args.writes = args.writes or (100 if args.quick else 400)
+    args.windows = args.windows or (4 if args.quick else 8)
     args.requests = args.requests or (30 if args.quick else 100)
     result = run(args)
     text = json.dumps(result, indent=2)

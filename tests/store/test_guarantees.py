@@ -152,7 +152,8 @@ def test_crash_during_write_loses_nothing_and_leaves_no_garbage(tmp_path, where)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert len(list((tmp_path / CHUNK_DIR).iterdir())) == len(before) + 1  # the half-done write
     with ImpressStore(tmp_path, model, CFG) as store:
-        assert _chunk_files(tmp_path) == before  # leftovers removed on open
+        store.flush()  # the writer thread's first job: the crash-leftover scan
+        assert _chunk_files(tmp_path) == before  # leftovers removed
         cache = assert_same_as_uncached(model, store, doc)
         assert cache.stats.matched_tokens == doc.shape[1] - 1
 

@@ -314,7 +314,9 @@ def test_kill_during_a_rewrite_leaves_the_old_or_the_new_layout(tmp_path, where)
         (node,) = [n for n in store.tree.nodes() if n.parent is not None]
         reordered = store._catalog.perm_of(node.file_id) is not None
         assert reordered == (where == "after_commit")
-        # leftovers (the temporary or the replaced file) are gone: one file, the indexed one
+        # leftovers (the temporary or the replaced file) are gone once the writer thread's
+        # first job, the scan, ran: one file, the indexed one
+        store.flush()
         names = sorted(p.name for p in (tmp_path / CHUNK_DIR).iterdir())
         assert names == [store._catalog.records[node.file_id].name]
 

@@ -47,3 +47,69 @@ def test_saved_node_values_come_back(tmp_path, policy, install):
         store._values.access([ids[1]])
         if policy == "lru":
             assert store._values.sort_key(ids[1]) == max(store._values.sort_key(i) for i in ids)
+
+
+def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path, monkeypatch):
+    """Opening does not read the node statistics (the writer thread does, as its first
+    job); a request that comes before it reads them itself, and its access counts on top."""
+    import threading
+
+    from impress_cache.store.writer import PromptWriter
+
+    toks = _prompts()[2]
+    with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
+        for p in _prompts():
+            put(store, p)
+        leaf = store.match(toks).segments[-1].node.id
+        for _ in range(3):
+            store.lease([store.match(toks)]).release()
+        saved = store._values._policy.stats_of(leaf)["count"]
+    assert saved >= 3
+    go = threading.Event()
+    background = PromptWriter.background
+    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    store = ImpressStore(tmp_path, _model(), cfg(policy="lfu"))
+    try:
+        assert store._values._pending is not None  # not read while opening
+        store.lease([store.match(toks)]).release()  # the request's access: the saved ones come first
+        assert store._values._pending is None
+        assert store._values._policy.stats_of(leaf)["count"] == saved + 1
+    finally:
+        go.set()
+        store.close()
+    with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
+        store.flush()  # the writer thread read them
+        assert store._values._pending is None
+        assert store._values._policy.stats_of(leaf)["count"] == saved + 1
+
+
+def test_saved_importance_is_read_after_open_and_before_a_request_adds_to_it(tmp_path, monkeypatch):
+    """Row importance (what the reorganiser sorts by) is read after open too; a request
+    that records importance before the writer thread read it adds to the saved sums."""
+    import threading
+
+    import numpy as np
+
+    from impress_cache.store.writer import PromptWriter
+    from test_reorder import scatter
+
+    toks = list(range(3, 35))
+    with ImpressStore(tmp_path, _model(), cfg(half_life_s=None)) as store:
+        put(store, toks)
+        scatter(store, toks)
+        (node,) = [n for n in store.tree.nodes() if n.parent is not None]
+        saved = store._importance.get(node.id)
+    go = threading.Event()
+    background = PromptWriter.background
+    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    store = ImpressStore(tmp_path, _model(), cfg(half_life_s=None))
+    try:
+        assert store._importance._pending is not None  # not read while opening
+        scatter(store, toks)  # a request's importance: the saved sums come first
+        assert store._importance._pending is None
+        now = store._importance.get(node.id)
+        assert now.requests == saved.requests + 1
+        assert np.array_equal(now.scores, 2 * saved.scores)
+    finally:
+        go.set()
+        store.close()

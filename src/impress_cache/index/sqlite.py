@@ -478,14 +478,14 @@ class Index:
         return self._upsert_if_owned("node_importance", "node_id, layers, length, scores, requests, pending, saved_at", "nodes", rows)
 
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
-        """Saved per-node importance: ``node -> (scores float32, requests, pending, saved_at)``."""
+        """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT i.node_id, i.layers, i.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
                 "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
             ).fetchall()
         return {
-            r[0]: (np.frombuffer(r[3], dtype="<f2").reshape(r[1], r[2]).astype(np.float32), r[4], r[5], r[6])
+            r[0]: (np.frombuffer(r[3], dtype="<f2").reshape(r[1], r[2]).astype(np.float16), r[4], r[5], r[6])
             for r in rows
         }
 

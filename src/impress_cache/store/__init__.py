@@ -5,7 +5,7 @@ Nothing in this package imports transformers or the selection logic.
 
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
 from .catalog import CHUNK_DIR
-from .gc import QUARANTINE_DIR
+from .leftovers import QUARANTINE_DIR
 from .layout import PrefixLayout, Unit
 from .leases import MATCH_GRACE_S, PrefixLease
 from .store import INDEX_NAME, ImpressStore, LoadedPrefix

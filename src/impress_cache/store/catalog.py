@@ -31,6 +31,7 @@ from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
 from ..storage.base import BlockTable, context_digest, file_seed
+from .directory import CreationGate
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Catalog:
         self._fixed: int | None = None
         self._fixed_uses = 0
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        #: held (shared) from before a chunk file is created until it is committed or removed
+        self.gate = CreationGate(root, 0 if index.read_only else os.stat(index.path).st_mode & 0o777, index.read_only)
         self.tree: RadixTree
         #: the indexed files' records by id (compact columns, records made when asked for)
         self.records = FileTable()
@@ -151,6 +154,7 @@ class Catalog:
                     os.close(f.fd)
             self._open.clear()
             os.close(self.chunks_fd)
+            self.gate.close()
 
     # -- tree ------------------------------------------------------------------------
     def match(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> Match:

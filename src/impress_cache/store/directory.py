@@ -15,8 +15,12 @@ whose parts are links or of the wrong kind, raises `StoreFormatError`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ReadOnlyStoreError, StoreFormatError, StoreIOError
@@ -142,3 +146,83 @@ def write_file(
             pass
         raise
     return disk_bytes(st)
+
+
+# -- files being created ------------------------------------------------------------------
+#: the lock file (in the store directory) of `CreationGate`
+GATE_NAME = "writers.lock"
+
+
+class CreationGate:
+    """Keeps the crash-leftover scan away from chunk files that are being written.
+
+    A file in ``chunks/`` that the index does not list is a crash leftover only if no
+    writer is still working on it: between its creation (as ``.tmp``) and the index
+    commit that lists it, a file of a live writer looks just like one. Every writer, in
+    any process, holds a shared ``flock`` on `GATE_NAME` from before it creates a file
+    until it has committed it or removed it (`creating`); the scan runs only with the
+    exclusive lock, taken without waiting (`exclusive`), so it sees each file either not
+    yet created or already committed (or removed). A writer that dies loses its lock
+    with its process. One shared lock per process (a count of the threads inside): the
+    scan's own descriptor conflicts with it, so this process's writers hold it off too.
+    """
+
+    def __init__(self, root: Path, mode: int, read_only: bool = False) -> None:
+        self._path, self._mode, self._read_only = root / GATE_NAME, mode, read_only
+        self._mu = threading.Lock()
+        self._fd: int | None = None
+        self._inside = 0
+
+    def _open(self) -> int:
+        try:
+            return os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass
+        dir_fd = os.open(self._path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return create_file(dir_fd, self._path.name, self._mode)
+        except FileExistsError:  # created by another process meanwhile
+            return os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        finally:
+            os.close(dir_fd)
+
+    @contextmanager
+    def creating(self) -> Iterator[None]:
+        """Hold the shared lock (waiting while a scan runs) around creating and committing files."""
+        if self._read_only:
+            yield
+            return
+        with self._mu:
+            if self._inside == 0:
+                if self._fd is None:
+                    self._fd = self._open()
+                fcntl.flock(self._fd, fcntl.LOCK_SH)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._inside -= 1
+                if self._inside == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[bool]:
+        """The exclusive lock if nobody is creating a file now (yields True), else yields
+        False at once."""
+        fd = self._open()
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # (releases the lock)
+
+    def close(self) -> None:
+        with self._mu:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -1,5 +1,5 @@
-"""Removing what the store no longer wants on disk: damaged files, crash leftovers and the
-least valuable prefixes when the chunk files exceed ``disk_bytes``.
+"""Removing what the store no longer wants on disk: damaged files (crash leftovers:
+`leftovers`) and the least valuable prefixes when the chunk files exceed ``disk_bytes``.
 
 The store only ever deletes files it wrote itself: names it gives its chunk files (or
 their temporary names), relative to its own ``chunks/`` directory; a file still leased by
@@ -9,30 +9,21 @@ a request of this process is unlinked when the lease is released.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
-import os
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ..errors import ImpressError, StoreFormatError
-from ..index.files import release_free_heap
 from ..index.radix import RadixNode
 from ..index.sqlite import WAL_LIMIT, FileRecord
-from ..storage import FORMATS
 from ..storage.base import KV, PROBE, BlockKey
 from ..tiers import TierManager
 from .catalog import FILE_NAME, Catalog
-from .directory import dir_mode, ensure_dir
+from .leftovers import move_aside
 from .leases import GRACE, LEASED, LeaseTable
 from .values import NodeValues
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_DIR = "quarantine"
-#: suffixes of `FILE_NAME` (an indexed name of 32 hex digits, a dot and one of these is one)
-_SUFFIXES = (".safetensors", ".h5")
 #: removals per index transaction of the disk budget (the catalog lock is free between)
 BATCH = 16
 
@@ -94,7 +85,7 @@ class StoreGC:
                 log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
                 return False
             if record is not None and FILE_NAME.match(record.name):
-                self._move_aside(record.name)
+                move_aside(catalog, record.name, self._file_mode)
             self.counters.quarantined_files += 1
         log.warning(
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
@@ -124,84 +115,6 @@ class StoreGC:
                 remove(node)
                 removed.append(node.id)
         return removed
-
-    def _move_aside(self, name: str) -> None:
-        root = self._catalog.root
-        qdir = root / QUARANTINE_DIR
-        try:
-            ensure_dir(qdir, dir_mode(self._file_mode), "the quarantine folder")
-        except ImpressError as exc:
-            log.warning("%s; leaving %s in place", exc, name)
-            return
-        if qdir.is_symlink() or not qdir.is_dir():
-            log.warning("%s is not a directory of this store; leaving %s in place", qdir, name)
-            return
-        qfd = os.open(qdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.replace(name, name, src_dir_fd=self._catalog.chunks_fd, dst_dir_fd=qfd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(qfd)
-
-    def remove_orphans(self) -> None:
-        """Delete temp files and chunk files the index does not know (crash leftovers).
-
-        Raises `StoreFormatError` when ``chunks/`` holds anything the store does not
-        write (it never deletes files it did not create).
-        """
-        catalog = self._catalog
-        # the index as it is now (the catalog reloads if another process committed since
-        # it loaded; its file table, not a second read of the index's)
-        with catalog.lock:
-            catalog.refresh()
-            # every name but those of indexed files in the standard form (usually none)
-            with os.scandir(catalog.chunks_fd) as entries:
-                batches = iter(lambda: [e.name for e in itertools.islice(entries, 4096)], [])
-                rest = catalog.records.unlisted(batches, tuple(x[1:] for x in _SUFFIXES))
-        foreign: list[str] = []
-        orphans: list[str] = []
-        if rest:
-            with catalog.lock:
-                known = catalog.records.names()
-                odd = catalog.records.odd_names()
-            for name in rest:
-                if name in known and name not in odd and name.endswith(_SUFFIXES):
-                    continue  # an indexed chunk file (one replaced by something else: quarantined when read)
-                ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
-                regular = _is_file(catalog.chunks_fd, name)
-                if ours and name in known and not regular:
-                    continue  # an indexed file replaced by something else: quarantined when read
-                if not ours or not regular:
-                    foreign.append(name)
-                elif name not in known:
-                    orphans.append(name)
-            del known
-        if foreign:
-            shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
-            raise StoreFormatError(
-                f"{catalog.chunks} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} this store did "
-                f"not write ({shown}); impress_cache deletes files in its own folders, so it will not open "
-                "a store there. Move them away or choose another store directory."
-            )
-        for name in orphans:
-            if name.endswith(".tmp") or self._has_own_header(name):
-                log.info("removing unindexed file %s (left by an interrupted write)", name)
-                catalog.unlink(name)
-            else:  # named like ours but without our header: never deleted, moved aside
-                log.warning("unindexed file %s has no impress_cache header; moving it to %s/", name, QUARANTINE_DIR)
-                self._move_aside(name)
-        del rest, foreign, orphans
-        release_free_heap()  # the scan's names
-
-    def _has_own_header(self, name: str) -> bool:
-        """Whether a chunk file's header says this store wrote it (its UUID is its name)."""
-        fmt = next((cls for cls in FORMATS.values() if name.endswith("." + cls.suffix)), None)
-        try:
-            meta = fmt().read_metadata(self._catalog.chunks / name) if fmt is not None else {}
-        except Exception:  # noqa: BLE001 - any unreadable header: not provably ours
-            return False
-        return "impress_cache" in meta and meta.get("uuid") == name[:32]
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:
@@ -411,14 +324,6 @@ class Removal:
         c.prefixes_evicted += len(self.victims)
         c.files_evicted += len(self.dropped)
         c.disk_bytes_evicted += self.freed
-
-
-def _is_file(dir_fd: int, name: str) -> bool:
-    """Whether ``name`` in the directory is a regular file (not following a link)."""
-    try:
-        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 def block_keys(records: Iterable[FileRecord]) -> Iterator[BlockKey]:

@@ -71,11 +71,14 @@ class StatsKeeper:
         interval_s: float | None,
         background: Callable[[Callable[[], Any]], None],
         importance: ImportanceStats | None = None,
+        guard: Any = None,
     ) -> None:
         self._index = index
         self._tiers = tiers
         self._nodes = nodes
         self._importance = importance
+        #: held around reading the deferred node statistics (the catalog's lock)
+        self._guard = guard if guard is not None else threading.RLock()
         self._interval = interval_s
         self._background = background
         self._lock = threading.Lock()
@@ -131,12 +134,20 @@ class StatsKeeper:
             log.warning("saving statistics failed; they will be saved on the next flush", exc_info=True)
 
     def load(self) -> int:
-        """Install the saved statistics; returns the number of block records."""
+        """Install the saved statistics; returns the number of block records. The node
+        statistics are read on the writer thread after the store opened, or by the first
+        call that needs them (`NodeValues.defer_saved`)."""
         now = self._tiers.now()
-        ids, cols = self._index.load_node_stats()
-        self._nodes.load_saved(ids, rebase_columns(cols, now))
-        if self._importance is not None:
-            self._importance.load(self._index.load_importance())
+
+        def read_node_stats() -> tuple[Any, Any]:
+            ids, cols = self._index.load_node_stats()
+            return ids, rebase_columns(cols, now)  # as if read at open
+
+        self._nodes.defer_saved(read_node_stats, self._guard)
+        self._background(self._nodes.load_pending)
+        if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
+            self._importance.defer(self._index.load_importance, self._guard)
+            self._background(self._importance.load_pending)
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []

@@ -49,6 +49,7 @@ from .catalog import CHUNK_DIR, Catalog
 from .directory import prepare
 from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
+from .leftovers import remove_leftovers
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
@@ -165,7 +166,8 @@ class ImpressStore:
             self.activity,
         )
         self._stats = StatsKeeper(
-            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background, self._importance
+            index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background,
+            self._importance, self._catalog.lock,
         )
         self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
             self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
@@ -182,9 +184,9 @@ class ImpressStore:
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
-        if not self.read_only:
-            self._gc.remove_orphans()
-        loaded = self._stats.load()
+        loaded = self._stats.load()  # (the node statistics: the writer thread's first job)
+        if not self.read_only:  # crash leftovers: on the writer thread, unless the index lists no file
+            self._writer.start_scan(lambda: remove_leftovers(self._catalog, cfg.file_mode), not len(self._catalog.records))
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
         log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), len(self._catalog.records), loaded)

@@ -17,7 +17,8 @@ top is always the node with the lowest current key. Whether a popped node is sti
 leaf of the tree, and free to go, is the caller's check. Stale items are dropped in bulk
 when the heap holds more than four times as many items as nodes it knows.
 
-Statistics saved in the index are kept as columns when the store opens (`load_saved`)
+Statistics saved in the index are read after the store opened (`defer_saved`: on the
+writer thread, or by the first call that needs them), kept as columns (`load_saved`)
 and become policy records only when their node is used (accessed, split, or taken off
 the eviction heap): the heap's first items are keyed from the columns at once (the
 policy's `sort_keys`), so starting the disk budget on a large store costs a sort, not a
@@ -27,13 +28,17 @@ record per node.
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
+from ..errors import ImpressError
 from ..tiers.policies.base import EvictionPolicy
+
+log = logging.getLogger(__name__)
 
 _COMPACT_MIN = 256
 
@@ -57,24 +62,59 @@ class NodeValues:
         self._saved_ids = np.zeros(0, np.int64)
         self._saved = np.zeros((0, 6), np.float64)
         self._waiting = np.zeros(0, bool)
+        #: reads the saved statistics (`defer_saved`) until they are loaded
+        self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+        self._guard: Any = None
 
     # -- saved statistics, installed when first needed -------------------------------------
+    def defer_saved(self, read: Callable[[], tuple[np.ndarray, np.ndarray]], guard: Any) -> None:
+        """Read the saved statistics (``read() -> (ids, columns)``, as `load_saved`
+        takes them) at the first call of any method below, or at `load_pending`: opening
+        a store does not wait for them. ``guard`` (the catalog's lock, under which every
+        index transaction runs) is held around the read, taken before this object's
+        lock: a thread inside a transaction that calls in here holds it already, and no
+        thread waits for it while holding this object's lock."""
+        with self._lock:
+            self._pending, self._guard = read, guard
+
+    def load_pending(self) -> None:
+        """Read the deferred saved statistics now, if they are still to read."""
+        self._ensure()
+
+    def _ensure(self) -> None:
+        """(Not under the lock.) Nothing is recorded before the saved statistics are in:
+        what was saved comes first, as if read at open."""
+        if self._pending is None:
+            return
+        with self._guard, self._lock:
+            if self._pending is None:
+                return
+            read, self._pending = self._pending, None
+            try:
+                self._load_saved(*read())
+            except ImpressError as exc:  # (advisory: never fails the request that needed them)
+                log.warning("the saved statistics of the stored prefixes are not usable (%s); starting without them", exc)
+
     def load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
         """Keep saved statistics (``count, freq, share, seq, freq_time, last_access`` per
         node, on this store's clock) until their nodes are used. Raises `ConfigError`
         (as the policy does) for impossible values."""
+        with self._lock:
+            self._pending = None
+            return self._load_saved(ids, cols)
+
+    def _load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
         count, freq, share = cols[:, 0], cols[:, 1], cols[:, 2]
         bad = (count < 0) | ~(freq >= 0) | ~((share >= 0) & (share <= 1))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             self._install_row(int(ids[i]), cols[i])  # the policy names what is wrong
-        with self._lock:
-            # (ids in four bytes while they fit: searched, never changed)
-            self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
-            self._saved = cols
-            self._waiting = np.ones(len(ids), bool)
-            if len(ids):  # the newest one now: later accesses count as more recent than all
-                self._take(int(ids[int(np.argmax(cols[:, 3]))]))
+        # (ids in four bytes while they fit: searched, never changed)
+        self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
+        self._saved = cols
+        self._waiting = np.ones(len(ids), bool)
+        if len(ids):  # the newest one now: later accesses count as more recent than all
+            self._take(int(ids[int(np.argmax(cols[:, 3]))]))
         return len(ids)
 
     def _install_row(self, node_id: int, row: np.ndarray) -> None:
@@ -104,6 +144,7 @@ class NodeValues:
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
         now = self._clock()
+        self._ensure()
         with self._lock:
             for node_id in node_ids:
                 self._take(node_id)
@@ -112,6 +153,7 @@ class NodeValues:
                 self._push(node_id, now)
 
     def seed(self, node_id: int) -> None:
+        self._ensure()
         with self._lock:
             now = self._clock()
             self._take(node_id)
@@ -120,6 +162,7 @@ class NodeValues:
             self._push(node_id, now)
 
     def inherit(self, old_id: int, new_ids: Iterable[int]) -> None:
+        self._ensure()
         with self._lock:
             now = self._clock()
             new_ids = list(new_ids)
@@ -135,6 +178,7 @@ class NodeValues:
                 self._push(node_id, now)
 
     def forget(self, node_ids: Iterable[int]) -> None:
+        self._ensure()
         with self._lock:
             for node_id in node_ids:
                 self._drop_saved(node_id)
@@ -144,11 +188,13 @@ class NodeValues:
 
     def sort_key(self, node_id: int) -> tuple[float, int]:
         """Eviction order: lower goes first (see `EvictionPolicy.sort_key`)."""
+        self._ensure()
         with self._lock:
             self._take(node_id)
             return self._policy.sort_key(node_id, self._clock())
 
     def priority(self, node_id: int) -> float:
+        self._ensure()
         with self._lock:
             self._take(node_id)
             return float(self._policy.priority(node_id, self._clock()))
@@ -167,6 +213,7 @@ class NodeValues:
 
     def load(self, records: Iterable[tuple[int, dict[str, Any]]]) -> int:
         n = 0
+        self._ensure()
         with self._lock:
             now = self._clock()
             for node_id, rec in records:
@@ -180,6 +227,9 @@ class NodeValues:
     def push(self, node_ids: Iterable[int]) -> None:
         """Give nodes a heap item with their current key (nodes that may have become
         leaves, or that a caller popped and puts back)."""
+        if not self.ordering:
+            return
+        self._ensure()
         with self._lock:
             now = self._clock()
             for node_id in node_ids:
@@ -196,9 +246,10 @@ class NodeValues:
     def reset_order(self, node_ids: Iterable[int], start: bool = False) -> None:
         """Start the heap again with exactly ``node_ids`` (the tree's leaves, after it
         was loaded); ``start`` keeps the heap from now on."""
+        if not (self.ordering or start):
+            return
+        self._ensure()
         with self._lock:
-            if not (self.ordering or start):
-                return
             self.ordering = True
             now = self._clock()
             self._queued = set(node_ids)
@@ -232,6 +283,7 @@ class NodeValues:
     def pop(self) -> int | None:
         """The queued node with the lowest current key, taken off the heap (``None``
         when the heap is empty). The caller pushes it back if it does not remove it."""
+        self._ensure()
         with self._lock:
             now = self._clock()
             heap = self._heap

@@ -85,6 +85,8 @@ class PromptWriter:
         self._pending: list[Future[None]] = []
         self.counters = WriteCounters()
         self._warned = False
+        #: the crash-leftover scan while it has not run (`start_scan`)
+        self._scan: Callable[[], bool] | None = None
 
     def submit(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
         arr = as_tokens(tokens).copy()
@@ -94,6 +96,25 @@ class PromptWriter:
             # finished writes are dropped unless they failed: flush() re-raises those
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
         return fut
+
+    def start_scan(self, scan: Callable[[], bool], now: bool = False) -> None:
+        """Run the crash-leftover scan ``scan`` (`leftovers.remove_leftovers`) as this
+        thread's first job, or ``now`` (its exception raised here). While it returns False
+        (a writer, of this or another process, was creating a file) it is tried again
+        before each write. `flush` re-raises what it raised on this thread."""
+        self._scan = scan
+        if now:
+            self._try_scan()
+            if self._scan is None:
+                return
+        fut = self._pool.submit(self._try_scan)
+        with self._catalog.lock:
+            self._pending.append(fut)
+
+    def _try_scan(self) -> None:
+        scan, self._scan = self._scan, None
+        if scan is not None and not scan():
+            self._scan = scan
 
     def background(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the writer thread (ignored once the writer is closed)."""
@@ -119,6 +140,11 @@ class PromptWriter:
 
     # -- one prompt ------------------------------------------------------------------
     def _write_logged(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        if self._scan is not None:  # held off by another writer so far
+            try:
+                self._try_scan()
+            except Exception:  # noqa: BLE001 - never fails the write; not tried again
+                log.exception("removing crash leftovers from %s failed", self._catalog.chunks)
         if self._activity is not None:
             self._activity.enter()
         try:
@@ -147,17 +173,18 @@ class PromptWriter:
         if m == len(tokens):
             catalog.commit_prompt(tokens, m, None)
             return
-        new_file, final = self._write_file(tokens, m, keys, values)
-        try:
-            # raises only when nothing was committed: a failure after the commit is
-            # handled there (logged, counted, tree reloaded) and the file stays
-            done = catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
-        except BaseException:
-            catalog.discard(final)
-            raise
-        if done is None:  # stored meanwhile by another writer, or its prefix was removed
-            catalog.discard(final)
-            return
+        with catalog.gate.creating():  # (the leftover scan waits)
+            new_file, final = self._write_file(tokens, m, keys, values)
+            try:
+                # raises only when nothing was committed: a failure after the commit is
+                # handled there (logged, counted, tree reloaded) and the file stays
+                done = catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
+            except BaseException:
+                catalog.discard(final)
+                raise
+            if done is None:  # stored meanwhile by another writer, or its prefix was removed
+                catalog.discard(final)
+                return
         file_id, leaf = done
         c = self.counters
         c.prompts_written += 1

@@ -236,16 +236,17 @@ class RemoteTier:
             return  # this host holds that file already (under another path)
         if cat.match(parsed.tokens).length < parsed.new_file.first_pos:
             return  # the prefix it extends is not here (removed meanwhile)
-        if not self.files.create(name, entry.object, entry.size, head):
-            return  # another process of this directory linked it first: its file, not ours to remove
-        try:
-            done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
-        except BaseException:
-            cat.discard(name)  # (its sidecar with it)
-            raise
-        if done is None:
-            cat.discard(name)
-            return
+        with cat.gate.creating():  # (the leftover scan waits)
+            if not self.files.create(name, entry.object, entry.size, head):
+                return  # another process of this directory linked it first: its file, not ours to remove
+            try:
+                done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
+            except BaseException:
+                cat.discard(name)  # (its sidecar with it)
+                raise
+            if done is None:
+                cat.discard(name)
+                return
         self.counters.objects_linked += 1
         file_id, leaf = done
         self._on_imported(file_id, parsed.new_file.offsets.shape[2], leaf)

@@ -11,19 +11,25 @@ decided; the reorganiser looks at a node again only once it has enough of them.
 
 A split node's halves take their columns of its statistics; a rewritten node's
 replacement takes them whole. The statistics are saved to the index with the block
-statistics and reloaded when the store opens.
+statistics and read again after the store opened (`defer`: on the writer thread, or by
+the first call that needs them, before it changes anything).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from ...errors import ImpressError
 from ...index.radix import Segment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,11 +52,41 @@ class ImportanceStats:
         self._lock = threading.Lock()
         self._nodes: dict[int, NodeImportance] = {}
         self.dirty: set[int] = set()
+        #: reads the saved statistics (`defer`) until they are installed, and the lock held meanwhile
+        self._pending: Callable[[], dict[int, tuple[np.ndarray, float, int, float]]] | None = None
+        self._guard: Any = None
+
+    def defer(self, read: Callable[[], dict[int, tuple[np.ndarray, float, int, float]]], guard: Any) -> None:
+        """Install the saved statistics ``read()`` (as `load` takes them) at the first
+        call below that needs them, or at `load_pending`. ``guard`` (the catalog's lock)
+        is held around the read and taken before this object's lock (see
+        `NodeValues.defer_saved`)."""
+        self._pending, self._guard = read, guard
+
+    def load_pending(self) -> None:
+        """Install the deferred saved statistics now, if they are still to install."""
+        self._ensure()
+
+    def _ensure(self) -> None:
+        if self._pending is None:
+            return
+        with self._guard:
+            read = self._pending
+            if read is None:
+                return
+            try:  # (cleared only once installed: a caller that sees None finds them in place)
+                self.load(read())
+            except ImpressError as exc:  # advisory: never fails the caller
+                log.warning("the saved importance statistics are not usable (%s); starting without them", exc)
+            finally:
+                self._pending = None
 
     def __len__(self) -> int:
+        self._ensure()
         return len(self._nodes)
 
     def __contains__(self, node_id: int) -> bool:
+        self._ensure()
         return node_id in self._nodes
 
     def _decay(self, e: NodeImportance, now: float) -> None:
@@ -63,6 +99,7 @@ class ImportanceStats:
     def add(self, segments: Sequence[Segment], importance: np.ndarray) -> None:
         """Add one request's ``[layers, positions]`` importance to the nodes of its matched
         ``segments`` (which cover the positions in order, each from its node's start)."""
+        self._ensure()
         now = self._clock()
         pos = 0
         with self._lock:
@@ -83,6 +120,7 @@ class ImportanceStats:
 
     def get(self, node_id: int) -> NodeImportance | None:
         """A copy of a node's statistics, decayed to now."""
+        self._ensure()
         with self._lock:
             e = self._nodes.get(node_id)
             if e is None:
@@ -92,11 +130,13 @@ class ImportanceStats:
 
     def pending(self, min_requests: int) -> list[int]:
         """Nodes with at least ``min_requests`` requests since their order was decided."""
+        self._ensure()
         with self._lock:
             return [k for k, e in self._nodes.items() if e.pending >= min_requests]
 
     def settle(self, node_id: int) -> None:
         """The node's order was decided (rewritten, or judged good enough)."""
+        self._ensure()
         with self._lock:
             e = self._nodes.get(node_id)
             if e is not None:
@@ -105,6 +145,7 @@ class ImportanceStats:
 
     def split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
         """A node was split after ``k`` rows: its halves take their columns."""
+        self._ensure()
         with self._lock:
             e = self._nodes.pop(old_id, None)
             self.dirty.discard(old_id)
@@ -117,6 +158,7 @@ class ImportanceStats:
 
     def move(self, old_id: int, new_id: int) -> None:
         """A node was replaced by one holding the same rows (a rewrite)."""
+        self._ensure()
         with self._lock:
             e = self._nodes.pop(old_id, None)
             self.dirty.discard(old_id)
@@ -125,6 +167,7 @@ class ImportanceStats:
                 self.dirty.add(new_id)
 
     def forget(self, node_ids: Iterable[int]) -> None:
+        self._ensure()
         with self._lock:
             for node_id in node_ids:
                 self._nodes.pop(node_id, None)
@@ -132,6 +175,7 @@ class ImportanceStats:
 
     def keep_only(self, alive: Callable[[int], bool]) -> None:
         """Drop the statistics of nodes no longer in the tree (after a reload)."""
+        self._ensure()
         with self._lock:
             for node_id in [k for k in self._nodes if not alive(k)]:
                 del self._nodes[node_id]
@@ -164,5 +208,5 @@ class ImportanceStats:
                 if scores.shape[0] != self.layers:
                     continue
                 at = now - max(0.0, wall - saved_at)
-                self._nodes[node_id] = NodeImportance(scores.astype(np.float16), float(requests), int(pending), at)
+                self._nodes[node_id] = NodeImportance(scores.astype(np.float16, copy=False), float(requests), int(pending), at)
         return len(records)

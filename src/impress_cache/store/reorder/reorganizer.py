@@ -219,16 +219,18 @@ class Reorganizer:
         between = self._between
         path, n = node.path_tokens(), node.length
         ks, vs, nbytes_read = self._read_node(node, between)
-        new_file, name = self._write_rows(path, len(path) - n, ks, vs, p.order, between)
-        try:
-            done = self._catalog.replace_node(node, new_file)
-        except BaseException:
-            self._catalog.discard(name)
-            raise
+        with self._catalog.gate.creating():  # (the leftover scan waits)
+            new_file, name = self._write_rows(path, len(path) - n, ks, vs, p.order, between)
+            try:
+                done = self._catalog.replace_node(node, new_file)
+            except BaseException:
+                self._catalog.discard(name)
+                raise
+            if done is None:
+                self._catalog.discard(name)
         c = self.counters
         c.bytes_read += nbytes_read
         if done is None:
-            self._catalog.discard(name)
             c.abandoned += 1
             log.info("node %d changed while it was rewritten; the rewrite is dropped", node.id)
             return None

@@ -1,0 +1,101 @@
+"""The crash-leftover scan runs off the open path (on the writer thread) and never removes a
+file that a writer of this or another store (process) is creating or has just committed:
+two stores on one directory, a write held between its file and its commit by a hook."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from impress_cache import ImpressStore
+from impress_cache.errors import StoreFormatError
+from impress_cache.store import CHUNK_DIR
+from impress_cache.store.directory import CreationGate
+from test_reorder import _model, assert_reads_exact, cfg, kv_of, put
+
+
+def _names(path) -> set[str]:
+    return {p.name for p in (path / CHUNK_DIR).iterdir()}
+
+
+def _leftover(path) -> str:
+    """A crash leftover: a temporary file of an interrupted write (nobody holds the gate)."""
+    name = uuid.uuid4().hex + ".safetensors.tmp"
+    (path / CHUNK_DIR / name).write_bytes(b"half a file")
+    return name
+
+
+def test_the_scan_waits_for_a_write_in_flight_in_another_store(tmp_path):
+    first, second, third = [3, 4, 5, 6] * 4, [7, 8, 9, 10] * 4, [11, 12, 13, 14] * 4
+    with ImpressStore(tmp_path, _model(), cfg()) as a:
+        put(a, first)
+    leftover = _leftover(tmp_path)
+    a = ImpressStore(tmp_path, _model(), cfg())
+    a.flush()  # its own scan: the leftover goes
+    assert leftover not in _names(tmp_path)
+    leftover = _leftover(tmp_path)
+    # a's next write stops between its file (renamed into place) and its commit
+    created, go = threading.Event(), threading.Event()
+    commit = a._catalog.commit_prompt
+
+    def held(*args, **kw):
+        created.set()
+        assert go.wait(60)
+        return commit(*args, **kw)
+
+    a._catalog.commit_prompt = held
+    before = _names(tmp_path)
+    fut = a.put_async(second, *kv_of(second))
+    assert created.wait(60)
+    (in_flight,) = _names(tmp_path) - before  # a's new file, not in the index yet
+    try:
+        b = ImpressStore(tmp_path, _model(), cfg())  # the index lists files: the scan is deferred
+        b.flush()  # the scan ran and found a writer at work: nothing removed
+        assert {in_flight, leftover} <= _names(tmp_path)
+        assert b._writer._scan is not None  # tried again before b's next write
+    finally:
+        go.set()
+        fut.result()
+    a.close()
+    # b loaded the index before a's commit; its scan (before b's write) reads the index again
+    assert in_flight not in {r.name for r in b._catalog.records.values()}
+    put(b, third)
+    assert b._writer._scan is None
+    names = _names(tmp_path)
+    assert in_flight in names and leftover not in names
+    for toks in (first, second, third):
+        assert assert_reads_exact(b, toks) == len(toks)
+    b.close()
+
+
+def test_a_writer_of_this_process_holds_the_scan_off(tmp_path):
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, [3, 4, 5, 6] * 4)
+    leftover = _leftover(tmp_path)
+    gate = CreationGate(tmp_path, 0o600)  # e.g. the reorganiser's or a remote link's write
+    with gate.creating():
+        store = ImpressStore(tmp_path, _model(), cfg())
+        store.flush()
+        assert leftover in _names(tmp_path)
+    store.close()  # nothing written meanwhile: the scan is still to do, in the next session
+    assert leftover in _names(tmp_path)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        store.flush()
+        assert leftover not in _names(tmp_path)
+    gate.close()
+
+
+def test_foreign_entries_found_by_the_deferred_scan_are_reported_and_kept(tmp_path):
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, [3, 4, 5, 6] * 4)
+    (tmp_path / CHUNK_DIR / "notes.txt").write_text("mine")
+    leftover = _leftover(tmp_path)
+    store = ImpressStore(tmp_path, _model(), cfg())
+    with pytest.raises(StoreFormatError, match="did not write"):
+        store.flush()
+    assert (tmp_path / CHUNK_DIR / "notes.txt").read_text() == "mine"
+    assert leftover in _names(tmp_path)  # nothing removed in a folder with foreign files
+    assert assert_reads_exact(store, [3, 4, 5, 6] * 4) == 16  # the store keeps serving
+    store.close()
