@@ -29,7 +29,8 @@ At each size:
   (`StoreGC.evict_within`; their commit is the write's) plus
   `ImpressStore.enforce_disk_budget` after it. ``throughput_ratio`` is the median over
   the pairs of at / below (interleaving puts a slow spell of the shared disk or CPU on
-  both phases; a window's rate varies by +-30% on a busy machine). Then the budget is
+  both phases; a window's rate varies by +-30% on a busy machine), and
+  ``throughput_ratio_total`` all writes at the budget over their time against all below. Then the budget is
   lifted and the store grows on;
 * **open**: in a fresh process, `ImpressStore(path, None)` seconds (``open_s``: until
   the constructor returns; ``ready_s``: until the work it leaves to the writer thread,
@@ -243,9 +244,14 @@ def phases(model, store: ImpressStore, prompts: Prompts, start: int, args: argpa
             written += per
     store.config.disk_bytes = None
     ratios = [a["write_prompts_per_s"] / b["write_prompts_per_s"] for a, b in zip(runs["at"], runs["below"])]
+
+    def rate(side: list[dict]) -> float:  # all writes of a side over their time
+        return sum(w["writes"] for w in side) / sum(w["writes"] / w["write_prompts_per_s"] for w in side)
+
     return {
         "below": _summary(runs["below"]), "at": _summary(runs["at"]), "written": written,
         "throughput_ratio": statistics.median(ratios), "throughput_ratios": ratios,
+        "throughput_ratio_total": rate(runs["at"]) / rate(runs["below"]),
     }
 
 

@@ -99,3 +99,84 @@ def test_foreign_entries_found_by_the_deferred_scan_are_reported_and_kept(tmp_pa
     assert leftover in _names(tmp_path)  # nothing removed in a folder with foreign files
     assert assert_reads_exact(store, [3, 4, 5, 6] * 4) == 16  # the store keeps serving
     store.close()
+
+
+def test_a_file_missing_from_a_stale_view_is_not_a_leftover(tmp_path, monkeypatch):
+    """Another store commits a file, and this store's reload of the index fails: the scan
+    (which the next write retries) must not take the other store's file for a leftover."""
+    from impress_cache.store.catalog import Catalog
+    from impress_cache.store.leftovers import remove_leftovers
+
+    first, second = [3, 4, 5, 6] * 4, [7, 8, 9, 10] * 4
+    with ImpressStore(tmp_path, _model(), cfg()) as a, ImpressStore(tmp_path, _model(), cfg()) as b:
+        put(a, first)
+        a.flush()
+        put(b, second)
+        b.flush()
+        real = Catalog._load
+        calls = []
+
+        def failing(self):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("injected: the index could not be read")
+            return real(self)
+
+        monkeypatch.setattr(Catalog, "_load", failing)
+        with pytest.raises(OSError):
+            a._catalog.refresh()  # sees b's commit, fails to reload
+        monkeypatch.undo()
+        before = _names(tmp_path)
+        assert remove_leftovers(a._catalog, cfg().file_mode)
+        assert _names(tmp_path) == before
+        assert assert_reads_exact(a, second) == len(second)
+    with ImpressStore(tmp_path, _model(), cfg()) as c:
+        assert assert_reads_exact(c, second) == len(second) and assert_reads_exact(c, first) == len(first)
+
+
+def test_a_rewritten_nodes_old_file_waits_for_its_lease(tmp_path):
+    """The old file of a rewritten node leaves the index but is unlinked only when the last
+    lease on it goes: the scan leaves it to the lease table."""
+    from impress_cache.store.leftovers import remove_leftovers
+    from test_reorder import scatter
+
+    toks = list(range(3, 67))
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, toks)
+        for _ in range(4):
+            scatter(store, toks)
+        (old,) = _names(tmp_path)
+        # (a lease that is not a request's: the rewrite waits for requests to finish)
+        lease = store._leases.hold([seg.file_id for seg in store.match(toks).segments], request=False)
+        assert store.reorganize(force=True)["rewritten"] == 1
+        assert old in _names(tmp_path) and old in store._leases.deferred_names()
+        assert remove_leftovers(store._catalog, cfg().file_mode, store._leases.deferred_names)
+        assert old in _names(tmp_path)  # a request holding the lease may still read it
+        lease.release()
+        store._leases.unlinker.drain()  # (files are unlinked on a thread of their own)
+        assert old not in _names(tmp_path)
+
+
+def test_the_scans_lock_is_released_although_a_forked_child_shares_it(tmp_path):
+    import fcntl
+    import os
+
+    gate = CreationGate(tmp_path, 0o600)
+    r, w = os.pipe()
+    with gate.exclusive() as free:
+        assert free
+        pid = os.fork()
+        if pid == 0:  # the child holds copies of every descriptor until told to exit
+            os.read(r, 1)
+            os._exit(0)
+    try:
+        fd = os.open(tmp_path / "writers.lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the child kept the lock
+        finally:
+            os.close(fd)
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)

@@ -194,9 +194,15 @@ class Catalog:
             if self.index.changed_elsewhere(wait) or self._stale:
                 self.reload_tree()
 
+    def mark_stale(self) -> None:
+        """The tree may not follow the index: the next `refresh` reloads it."""
+        with self.lock:
+            self._stale = True
+
     def reload_tree(self) -> None:
         """Rebuild the tree from the index; forget files that are gone."""
         with self.lock:
+            self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
             self._stale = False
             self.forget({fid for fid in self._open if fid not in self.records})

@@ -217,9 +217,14 @@ class CreationGate:
             except BlockingIOError:
                 yield False
                 return
-            yield True
+            try:
+                yield True
+            finally:
+                # explicitly: a process forked meanwhile shares the descriptor, and closing
+                # ours alone would leave the lock held as long as the child lives
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            os.close(fd)  # (releases the lock)
+            os.close(fd)
 
     def close(self) -> None:
         with self._mu:

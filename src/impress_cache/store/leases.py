@@ -228,6 +228,11 @@ class LeaseTable:
         for name, before in due:
             self._drop(name, before)
 
+    def deferred_names(self) -> set[str]:
+        """Names of the files whose unlink waits for their last lease (`defer_unlink`)."""
+        with self._lock:
+            return {name for name, _ in self._doomed.values()}
+
     def defer_unlink(self, file_id: int, name: str, before: Callable[[], None] | None = None) -> bool:
         """Unlink a file now, or when its last lease goes; True if it was deferred.
         ``before`` runs just before the unlink (e.g. closing this process's descriptor

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import stat
+from collections.abc import Callable
 
 from ..errors import ImpressError, StoreFormatError
 from ..index.files import release_free_heap
@@ -53,10 +54,13 @@ def move_aside(catalog: Catalog, name: str, file_mode: int) -> None:
         os.close(qfd)
 
 
-def remove_leftovers(catalog: Catalog, file_mode: int) -> bool:
+def remove_leftovers(catalog: Catalog, file_mode: int, deferred: Callable[[], set[str]] | None = None) -> bool:
     """Delete temp files and chunk files the index does not know (crash leftovers), if no
     writer of any process is creating a file now. Returns False (nothing done) when one
-    is; call again later.
+    is; call again later. ``deferred()`` names files out of the index whose unlink waits
+    for a lease (`LeaseTable.deferred_names`): a request may still read them, so they
+    are not leftovers. Before a file is removed the index itself is asked (the
+    catalog's view could lag behind it after a failed reload).
 
     Raises `StoreFormatError` when ``chunks/`` holds anything the store does not write
     (it never deletes files it did not create).
@@ -64,11 +68,11 @@ def remove_leftovers(catalog: Catalog, file_mode: int) -> bool:
     with catalog.gate.exclusive() as free:
         if not free:
             return False
-        _scan(catalog, file_mode)
+        _scan(catalog, file_mode, set() if deferred is None else deferred())
     return True
 
 
-def _scan(catalog: Catalog, file_mode: int) -> None:
+def _scan(catalog: Catalog, file_mode: int, deferred: set[str]) -> None:
     # no writer is between creating a file and committing it: every file is listed in
     # the index as it is now (the catalog reloads if another process committed since it
     # loaded) or is a leftover
@@ -104,6 +108,12 @@ def _scan(catalog: Catalog, file_mode: int) -> None:
             "a store there. Move them away or choose another store directory."
         )
     for name in orphans:
+        if name in deferred:
+            continue  # left the index; unlinked when the last lease on it goes
+        if not name.endswith(".tmp") and catalog.index.has_file(name):
+            log.warning("%s is in the index but not in this store's view of it; keeping it", name)
+            catalog.mark_stale()
+            continue
         if name.endswith(".tmp") or _has_own_header(catalog, name):
             log.info("removing unindexed file %s (left by an interrupted write)", name)
             catalog.unlink(name)

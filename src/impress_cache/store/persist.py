@@ -137,11 +137,9 @@ class StatsKeeper:
         """Install the saved statistics; returns the number of block records. The node
         statistics are read on the writer thread after the store opened, or by the first
         call that needs them (`NodeValues.defer_saved`)."""
-        now = self._tiers.now()
-
         def read_node_stats() -> tuple[Any, Any]:
             ids, cols = self._index.load_node_stats()
-            return ids, rebase_columns(cols, now)  # as if read at open
+            return ids, rebase_columns(cols, self._tiers.now())  # (with the wall clock, read together)
 
         self._nodes.defer_saved(read_node_stats, self._guard)
         self._background(self._nodes.load_pending)
@@ -151,7 +149,7 @@ class StatsKeeper:
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []
-        loaded = self._tiers.import_stats(rebase(rows, now), now=None) if rows else 0
+        loaded = self._tiers.import_stats(rebase(rows, self._tiers.now()), now=None) if rows else 0
         del rows
         release_free_heap()  # the temporaries of the loads
         return loaded

@@ -186,7 +186,7 @@ class ImpressStore:
         self.loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impress-load")
         loaded = self._stats.load()  # (the node statistics: the writer thread's first job)
         if not self.read_only:  # crash leftovers: on the writer thread, unless the index lists no file
-            self._writer.start_scan(lambda: remove_leftovers(self._catalog, cfg.file_mode), not len(self._catalog.records))
+            self._writer.start_scan(lambda: remove_leftovers(self._catalog, cfg.file_mode, self._leases.deferred_names), not len(self._catalog.records))
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
         log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), len(self._catalog.records), loaded)

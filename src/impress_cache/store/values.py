@@ -18,7 +18,7 @@ leaf of the tree, and free to go, is the caller's check. Stale items are dropped
 when the heap holds more than four times as many items as nodes it knows.
 
 Statistics saved in the index are read after the store opened (`defer_saved`: on the
-writer thread, or by the first call that needs them), kept as columns (`load_saved`)
+writer thread, or by the first call that needs them), kept as columns (`_load_saved`)
 and become policy records only when their node is used (accessed, split, or taken off
 the eviction heap): the heap's first items are keyed from the columns at once (the
 policy's `sort_keys`), so starting the disk budget on a large store costs a sort, not a
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ImpressError
+from ..errors import ImpressError, StoreIOError
 from ..tiers.policies.base import EvictionPolicy
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class NodeValues:
         #: whether the heap is kept (from the first `reset_order(..., start=True)` on: a
         #: store without a disk budget pays nothing for it)
         self.ordering = False
-        #: saved statistics not yet made policy records (`load_saved`): node ids
+        #: saved statistics not yet made policy records (`_load_saved`): node ids
         #: (increasing), their columns and which are still waiting
         self._saved_ids = np.zeros(0, np.int64)
         self._saved = np.zeros((0, 6), np.float64)
@@ -68,7 +68,7 @@ class NodeValues:
 
     # -- saved statistics, installed when first needed -------------------------------------
     def defer_saved(self, read: Callable[[], tuple[np.ndarray, np.ndarray]], guard: Any) -> None:
-        """Read the saved statistics (``read() -> (ids, columns)``, as `load_saved`
+        """Read the saved statistics (``read() -> (ids, columns)``, as `_load_saved`
         takes them) at the first call of any method below, or at `load_pending`: opening
         a store does not wait for them. ``guard`` (the catalog's lock, under which every
         index transaction runs) is held around the read, taken before this object's
@@ -92,16 +92,11 @@ class NodeValues:
             read, self._pending = self._pending, None
             try:
                 self._load_saved(*read())
+            except StoreIOError as exc:  # (a failed read: tried again by the next call)
+                self._pending = read
+                log.warning("reading the saved statistics of the stored prefixes failed (%s); trying again later", exc)
             except ImpressError as exc:  # (advisory: never fails the request that needed them)
                 log.warning("the saved statistics of the stored prefixes are not usable (%s); starting without them", exc)
-
-    def load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
-        """Keep saved statistics (``count, freq, share, seq, freq_time, last_access`` per
-        node, on this store's clock) until their nodes are used. Raises `ConfigError`
-        (as the policy does) for impossible values."""
-        with self._lock:
-            self._pending = None
-            return self._load_saved(ids, cols)
 
     def _load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
         count, freq, share = cols[:, 0], cols[:, 1], cols[:, 2]

@@ -87,6 +87,8 @@ class PromptWriter:
         self._warned = False
         #: the crash-leftover scan while it has not run (`start_scan`)
         self._scan: Callable[[], bool] | None = None
+        #: what a scan retried before a write raised (`flush` raises it)
+        self._scan_error: Exception | None = None
 
     def submit(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
         arr = as_tokens(tokens).copy()
@@ -126,14 +128,19 @@ class PromptWriter:
     def flush(self) -> None:
         """Block until every submitted prompt is written or dropped. Writes the disk or
         the index refused are counted (``write_failures``) and logged, not raised; any
-        other failure (a bug) is re-raised."""
+        other failure (a bug, or what the crash-leftover scan found that the store did not
+        write) is raised once every job has finished."""
+        error: BaseException | None = None
         while True:
             with self._catalog.lock:
                 pending, self._pending = self._pending, []
+                error, self._scan_error = error or self._scan_error, None
             if not pending:
+                if error is not None:
+                    raise error
                 return
-            for fut in pending:
-                fut.result()
+            for fut in pending:  # every job is waited for; the first failure is raised after
+                error = error or fut.exception()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -143,8 +150,10 @@ class PromptWriter:
         if self._scan is not None:  # held off by another writer so far
             try:
                 self._try_scan()
-            except Exception:  # noqa: BLE001 - never fails the write; not tried again
+            except Exception as exc:  # noqa: BLE001 - never fails the write; not tried again, raised by flush
                 log.exception("removing crash leftovers from %s failed", self._catalog.chunks)
+                with self._catalog.lock:
+                    self._scan_error = exc
         if self._activity is not None:
             self._activity.enter()
         try:

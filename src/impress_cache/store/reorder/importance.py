@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ImpressError
+from ...errors import ImpressError, StoreIOError
 from ...index.radix import Segment
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,12 @@ class ImportanceStats:
                 return
             try:  # (cleared only once installed: a caller that sees None finds them in place)
                 self.load(read())
+            except StoreIOError as exc:  # a failed read: tried again by the next call
+                log.warning("reading the saved importance statistics failed (%s); trying again later", exc)
+                return
             except ImpressError as exc:  # advisory: never fails the caller
                 log.warning("the saved importance statistics are not usable (%s); starting without them", exc)
-            finally:
-                self._pending = None
+            self._pending = None
 
     def __len__(self) -> int:
         self._ensure()
