@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from ..index.sqlite import Index
 from ..storage.base import BlockTable, context_digest, file_seed
 from .directory import CreationGate
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 CHUNK_DIR = "chunks"
@@ -514,6 +515,19 @@ class Catalog:
     def remeasure(self) -> None:
         """Measure the index file and the directories again at the next `disk_bytes`."""
         self._fixed = None
+
+    def commit_or_discard(self, name: str, commit: Callable[[], _T | None]) -> _T | None:
+        """``commit()`` (`commit_prompt` or `replace_node` of the new file ``name``) and the
+        new file removed (`discard`) if it raised (nothing was committed) or returned
+        ``None`` (not needed); returns what it returned."""
+        try:
+            done = commit()
+        except BaseException:
+            self.discard(name)
+            raise
+        if done is None:
+            self.discard(name)
+        return done
 
     def discard(self, name: str) -> None:
         """Remove a new chunk file the index did not take (its commit failed or was not

@@ -184,15 +184,12 @@ class PromptWriter:
             return
         with catalog.gate.creating():  # (the leftover scan waits)
             new_file, final = self._write_file(tokens, m, keys, values)
-            try:
-                # raises only when nothing was committed: a failure after the commit is
-                # handled there (logged, counted, tree reloaded) and the file stays
-                done = catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
-            except BaseException:
-                catalog.discard(final)
-                raise
+            # raises only when nothing was committed: a failure after the commit is handled
+            # there (logged, counted, tree reloaded) and the file stays
+            done = catalog.commit_or_discard(
+                final, lambda: catalog.commit_prompt(tokens, m, new_file, self._config.disk_bytes)
+            )
             if done is None:  # stored meanwhile by another writer, or its prefix was removed
-                catalog.discard(final)
                 return
         file_id, leaf = done
         c = self.counters

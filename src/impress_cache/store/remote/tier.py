@@ -239,13 +239,11 @@ class RemoteTier:
         with cat.gate.creating():  # (the leftover scan waits)
             if not self.files.create(name, entry.object, entry.size, head):
                 return  # another process of this directory linked it first: its file, not ours to remove
-            try:
-                done = cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
-            except BaseException:
-                cat.discard(name)  # (its sidecar with it)
-                raise
+            # (a discarded file's sidecar goes with it)
+            done = cat.commit_or_discard(
+                name, lambda: cat.commit_prompt(parsed.tokens, parsed.new_file.first_pos, parsed.new_file)
+            )
             if done is None:
-                cat.discard(name)
                 return
         self.counters.objects_linked += 1
         file_id, leaf = done

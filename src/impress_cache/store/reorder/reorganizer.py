@@ -221,13 +221,7 @@ class Reorganizer:
         ks, vs, nbytes_read = self._read_node(node, between)
         with self._catalog.gate.creating():  # (the leftover scan waits)
             new_file, name = self._write_rows(path, len(path) - n, ks, vs, p.order, between)
-            try:
-                done = self._catalog.replace_node(node, new_file)
-            except BaseException:
-                self._catalog.discard(name)
-                raise
-            if done is None:
-                self._catalog.discard(name)
+            done = self._catalog.commit_or_discard(name, lambda: self._catalog.replace_node(node, new_file))
         c = self.counters
         c.bytes_read += nbytes_read
         if done is None:
