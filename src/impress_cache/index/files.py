@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .columns import scratch
+
 #: names the store gives its chunk files, kept as 16 bytes plus a suffix code
 _NAME = re.compile(r"([0-9a-f]{32})\.([a-z0-9]{1,16})")
 _SUFFIX = re.compile(r"[a-z0-9]{1,16}")
@@ -156,7 +158,12 @@ class _Sorted:
         self.keys = np.ascontiguousarray(keys)
         k = self.keys.view("<u8").reshape(-1, 2)
         order = np.argsort(k[:, 0])
-        self.hi, self.lo = k[order, 0], k[order, 1]
+        # (in arrays of their own: the scan runs on the writer thread, whose heap would
+        # keep their pages resident after it)
+        self.hi, self.lo = scratch(len(k), np.uint64), scratch(len(k), np.uint64)
+        np.take(k[:, 0], order, out=self.hi)
+        np.take(k[:, 1], order, out=self.lo)
+        del order
         #: two keys share their first eight bytes: compared whole instead
         self.clash = bool((self.hi[1:] == self.hi[:-1]).any())
 
@@ -402,13 +409,10 @@ class FileTable:
         digits, a dot and its suffix, one of ``suffixes``): usually none. Records added
         since the load and odd names are never matched. Vectorised: no string per file
         is made, and a batch's names are dropped before the next is listed."""
-        rows = np.flatnonzero(self._alive)
+        listed = self._alive.copy()
         if self._odd:
-            rows = rows[~np.isin(self._ids[rows], np.fromiter(self._odd, np.int64, len(self._odd)))]
-        known = {
-            w: _Sorted(self._uuid[rows[self._suffix[rows] == self._words.index(w)]])
-            for w in suffixes if w in self._words
-        }
+            listed &= ~np.isin(self._ids, np.fromiter(self._odd, np.int64, len(self._odd)))
+        known = {w: _Sorted(self._uuids_where(listed & (self._suffix == self._words.index(w)))) for w in suffixes if w in self._words}
         out: list[str] = []
         for names in batches:
             lengths = np.fromiter(map(len, names), np.int64, len(names))
@@ -430,6 +434,16 @@ class FileTable:
                 ok &= table.has((nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).astype(np.uint8))
                 matched[at[ok]] = True
             out += [names[i] for i in np.flatnonzero(~matched).tolist()]
+        return out
+
+    def _uuids_where(self, mask: np.ndarray) -> np.ndarray:
+        """The 16-byte names of the rows ``mask`` selects: the column itself when it
+        selects every row, else a copy in a `scratch` array."""
+        if mask.all():
+            return self._uuid
+        rows = np.flatnonzero(mask)
+        out = scratch((len(rows), 16), np.uint8)
+        np.take(self._uuid, rows, axis=0, out=out)
         return out
 
     def odd_names(self) -> set[str]:

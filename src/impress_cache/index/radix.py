@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
+
+import bisect
 
 import numpy as np
 
@@ -38,6 +41,59 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 _NO_CHILDREN: Mapping[int, RadixNode] = MappingProxyType({})
 
 
+class _Packed(Mapping):
+    """The children a node was loaded with, read-only: ``kids`` is one tuple of their
+    first tokens, sorted, then the children in the same order (a tuple of ``2m``
+    items instead of a dict: a third of the memory for a node with a thousand
+    children, and of a small dict's). The node gets a dict when its children change."""
+
+    __slots__ = ("kids",)
+
+    def __init__(self, kids: tuple) -> None:
+        self.kids = kids
+
+    def get(self, token: int, default: Any = None) -> Any:
+        child = _packed_child(self.kids, token)
+        return default if child is None else child
+
+    def __getitem__(self, token: int) -> RadixNode:
+        child = _packed_child(self.kids, token)
+        if child is None:
+            raise KeyError(token)
+        return child
+
+    def __contains__(self, token: object) -> bool:
+        try:
+            return _packed_child(self.kids, token) is not None  # type: ignore[arg-type]
+        except TypeError:  # (not a token)
+            return False
+
+    def __len__(self) -> int:
+        return len(self.kids) >> 1
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.kids[: len(self.kids) >> 1])
+
+    def values(self) -> Any:
+        return self.kids[len(self.kids) >> 1 :]
+
+
+def _packed_child(kids: tuple, token: int) -> RadixNode | None:
+    m = len(kids) >> 1
+    i = bisect.bisect_left(kids, token, 0, m)
+    return kids[m + i] if i < m and kids[i] == token else None
+
+
+def _child(node: RadixNode, token: int) -> RadixNode | None:
+    """The child of ``node`` whose tokens start with ``token``, if any."""
+    kids = node._kids
+    if kids is None:
+        return None
+    if type(kids) is dict:
+        return kids.get(token)
+    return _packed_child(kids, token)
+
+
 _M32, _M48 = (1 << 32) - 1, (1 << 48) - 1
 
 
@@ -55,7 +111,8 @@ class RadixNode:
     Compact: the tokens are ``length`` ids from an offset on in a shared array
     (``tokens`` is a view made when asked for); the id, file, first row, offset and
     length are packed in one int (`_pack`: one object instead of five); a leaf has no
-    children dict of its own. ``parent`` and ``terminal`` change with the tree.
+    children dict of its own, and a node loaded with children keeps them in one tuple
+    (`_Packed`) until they change. ``parent`` and ``terminal`` change with the tree.
     """
 
     __slots__ = ("_key", "_buf", "parent", "_kids", "terminal")
@@ -66,7 +123,7 @@ class RadixNode:
         self._key = _pack(node_id, file_id, 0, file_row, len(tokens))
         self._buf = tokens
         self.parent = parent
-        self._kids: dict[int, RadixNode] | None = None
+        self._kids: dict[int, RadixNode] | tuple | None = None
         #: number of stored sequences that end exactly at this node
         self.terminal = terminal
 
@@ -113,16 +170,19 @@ class RadixNode:
     def children(self) -> Mapping[int, RadixNode]:
         """Children by their first token (change them through `RadixTree` only)."""
         kids = self._kids
-        return _NO_CHILDREN if kids is None else kids
+        if kids is None:
+            return _NO_CHILDREN
+        return kids if type(kids) is dict else _Packed(kids)
 
     @children.setter
     def children(self, value: Mapping[int, RadixNode]) -> None:
-        self._kids = dict(value) if value else None
+        self._kids = value.kids if isinstance(value, _Packed) else dict(value) if value else None
 
     def _own_children(self) -> dict[int, RadixNode]:
-        if self._kids is None:
-            self._kids = {}
-        return self._kids
+        kids = self._kids
+        if type(kids) is not dict:
+            kids = self._kids = {} if kids is None else dict(zip(kids[: len(kids) >> 1], kids[len(kids) >> 1 :]))
+        return kids
 
     @property
     def length(self) -> int:
@@ -274,9 +334,14 @@ class RadixTree:
         token). Time proportional to the number of nodes: the nodes are built here,
         without per-node calls."""
         tree = cls()
-        order = np.argsort(nodes[:, 1], kind="stable")  # children grouped by parent
-        nodes, offsets = nodes[order], offsets[order]
+        first_tok = buf[np.minimum(offsets, max(0, len(buf) - 1))] if len(buf) else np.zeros(len(nodes), np.int64)
+        order = np.lexsort((first_tok, nodes[:, 1]))  # children grouped by parent, by first token
+        nodes, offsets, first_tok = nodes[order], offsets[order], first_tok[order]
         parents = nodes[:, 1]
+        twice = np.flatnonzero((parents[1:] == parents[:-1]) & (first_tok[1:] == first_tok[:-1]))
+        if len(twice):
+            j = int(twice[0]) + 1
+            raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {int(parents[j])}")
         keys, first = np.unique(parents, return_index=True)
         end = np.append(first[1:], len(parents))
         if len(nodes) and (
@@ -294,7 +359,7 @@ class RadixTree:
         ranks, terms = rank.tolist(), nodes[:, 5].tolist()
         packed = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
         ints: dict[int, int] = {}  # one int object per first token (the children's keys)
-        firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
+        firsts = [ints.setdefault(t, t) for t in first_tok.tolist()]
         # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf)
         k = np.minimum(np.searchsorted(keys, nodes[:, 0]), max(0, len(keys) - 1))
         has = keys[k] == nodes[:, 0] if len(keys) else np.zeros(len(nodes), bool)
@@ -305,17 +370,16 @@ class RadixTree:
         stack = [(tree.root, first[root], end[root])] if len(keys) and keys[root] == 0 else []
         while stack:  # parents before their children
             parent, a, b = stack.pop()
-            kids = parent._own_children()
+            kids = []
             for j in range(a, b):
-                tok = firsts[j]
-                if tok in kids:
-                    raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {parent.id}")
                 node = new(RadixNode)
                 node._key, node._buf, node.parent, node._kids, node.terminal = packed[j], buf, parent, None, terms[j]
-                kids[tok] = objs[ranks[j]] = node
+                kids.append(node)
+                objs[ranks[j]] = node
                 if lo[j] != hi[j]:
                     stack.append((node, lo[j], hi[j]))
-                placed += 1
+            parent._kids = (*firsts[a:b], *kids)  # (`_Packed`: sorted by first token)
+            placed += b - a
         if placed != len(ids):
             raise ValueError(f"{len(ids) - placed} node(s) have no parent")
         tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if len(ids) and ids[-1] < 1 << 32 else ids, objs)
@@ -350,7 +414,7 @@ class RadixTree:
         segments: list[Segment] = []
         node, pos = self.root, 0
         while pos < limit:
-            child = node.children.get(int(arr[pos]))
+            child = _child(node, int(arr[pos]))
             if child is None:
                 break
             n = _common_length(child.tokens, arr[pos:limit])
@@ -470,8 +534,9 @@ class RadixTree:
             raise ValueError(f"node {node.id} has children; remove them first")
         parent = node.parent
         assert parent is not None and parent._kids is not None
-        del parent._kids[int(node._buf[node._off])]
-        if not parent._kids:
+        kids = parent._own_children()
+        del kids[int(node._buf[node._off])]
+        if not kids:
             parent._kids = None
         del self._nodes[node.id]
 

@@ -142,10 +142,10 @@ class StatsKeeper:
             return ids, rebase_columns(cols, self._tiers.now())  # (with the wall clock, read together)
 
         self._nodes.defer_saved(read_node_stats, self._guard)
-        self._background(self._nodes.load_pending)
+        self._background(_then_release(self._nodes.load_pending))
         if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
             self._importance.defer(self._index.load_importance, self._guard)
-            self._background(self._importance.load_pending)
+            self._background(_then_release(self._importance.load_pending))
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []
@@ -153,3 +153,13 @@ class StatsKeeper:
         del rows
         release_free_heap()  # the temporaries of the loads
         return loaded
+
+
+def _then_release(job: Callable[[], Any]) -> Callable[[], None]:
+    """``job``, then the C heap's free memory given back: a deferred load's temporaries
+    (the rows as read, the full-width columns) are freed on the writer thread, whose
+    heap keeps their pages resident otherwise."""
+    def run() -> None:
+        job()
+        release_free_heap()
+    return run

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ImpressError, StoreIOError
+from ..index.columns import PackedColumns
 from ..tiers.policies.base import EvictionPolicy
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class NodeValues:
             self._install_row(int(ids[i]), cols[i])  # the policy names what is wrong
         # (ids in four bytes while they fit: searched, never changed)
         self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
-        self._saved = cols
+        self._saved = PackedColumns(cols)  # (the same values in fewer bytes: most columns are small ints or few values)
         self._waiting = np.ones(len(ids), bool)
         if len(ids):  # the newest one now: later accesses count as more recent than all
             self._take(int(ids[int(np.argmax(cols[:, 3]))]))
