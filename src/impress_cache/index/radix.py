@@ -335,7 +335,12 @@ class RadixTree:
         without per-node calls."""
         tree = cls()
         first_tok = buf[np.minimum(offsets, max(0, len(buf) - 1))] if len(buf) else np.zeros(len(nodes), np.int64)
-        order = np.lexsort((first_tok, nodes[:, 1]))  # children grouped by parent, by first token
+        # children grouped by parent, by first token (one key of both while the parents
+        # fit in 31 bits: a sort of one column)
+        if len(nodes) and 0 <= nodes[:, 1].min() and nodes[:, 1].max() < 1 << 31:
+            order = np.argsort((nodes[:, 1] << 32) | (first_tok.astype(np.int64) + (1 << 31)))
+        else:
+            order = np.lexsort((first_tok, nodes[:, 1]))
         nodes, offsets, first_tok = nodes[order], offsets[order], first_tok[order]
         parents = nodes[:, 1]
         twice = np.flatnonzero((parents[1:] == parents[:-1]) & (first_tok[1:] == first_tok[:-1]))
