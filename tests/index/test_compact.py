@@ -347,3 +347,17 @@ def test_loaded_children_are_one_sorted_tuple_until_they_change():
     # two children with one first token: the index is damaged
     with pytest.raises(ValueError, match="cannot be placed"):
         RadixTree.from_columns(np.array([[1, 0, 0, 0, 1, 0], [2, 0, 0, 0, 1, 0]]), np.array([0, 0]), buf)
+
+
+def test_listing_is_matched_on_whole_names_with_shared_leading_bytes_and_zeros(tmp_path):
+    """`FileTable.unlisted` compares all 16 bytes of a name: names that share their first
+    eight bytes, or differ only in zero bytes at the end, are told apart."""
+    index = Index(tmp_path / "index.sqlite")
+    stems = ["0" * 32, "0" * 30 + "01", "ab" * 8 + "0" * 16, "ab" * 8 + "0" * 15 + "1", "ab" * 8 + "f" * 16]
+    with index.transaction() as conn:
+        for k, stem in enumerate(stems[:4]):
+            index.add_node(conn, 0, index.add_file(conn, new_file((k + 1, 9), 0, name=stem + ".safetensors")), 0, 2, 1)
+    _, files = index.load_tree()
+    listing = [s + ".safetensors" for s in stems] + ["0" * 28 + "0100.safetensors", stems[0] + ".h5"]
+    assert files.unlisted([listing], ("safetensors", "h5")) == listing[4:]
+    index.close()

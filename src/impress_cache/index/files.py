@@ -151,30 +151,22 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 
 
 class _Sorted:
-    """A set of 16-byte keys (``uint8 [n, 16]``) for vectorised lookups: sorted by their
-    first eight bytes (a binary search), then compared on the other eight."""
+    """A set of 16-byte keys (``uint8 [n, 16]``) for vectorised lookups: one sorted copy
+    of them as 16-byte strings (compared as whole bytes), searched. The copy is sorted
+    in place in a `scratch` array: the scan runs on the writer thread, whose heap would
+    keep the pages of an index array and of the copy resident after it."""
 
     def __init__(self, keys: np.ndarray) -> None:
-        self.keys = np.ascontiguousarray(keys)
-        k = self.keys.view("<u8").reshape(-1, 2)
-        order = np.argsort(k[:, 0])
-        # (in arrays of their own: the scan runs on the writer thread, whose heap would
-        # keep their pages resident after it)
-        self.hi, self.lo = scratch(len(k), np.uint64), scratch(len(k), np.uint64)
-        np.take(k[:, 0], order, out=self.hi)
-        np.take(k[:, 1], order, out=self.lo)
-        del order
-        #: two keys share their first eight bytes: compared whole instead
-        self.clash = bool((self.hi[1:] == self.hi[:-1]).any())
+        self.keys = scratch(len(keys), "S16")
+        self.keys[:] = np.ascontiguousarray(keys).view("S16").reshape(-1)
+        self.keys.sort()
 
     def has(self, queries: np.ndarray) -> np.ndarray:
-        if not len(self.hi) or not len(queries):
+        if not len(self.keys) or not len(queries):
             return np.zeros(len(queries), bool)
-        if self.clash:
-            return np.isin(np.ascontiguousarray(queries).view("S16").ravel(), self.keys.view("S16").ravel())
-        q = np.ascontiguousarray(queries).view("<u8").reshape(-1, 2)
-        i = np.minimum(np.searchsorted(self.hi, q[:, 0]), len(self.hi) - 1)
-        return (self.hi[i] == q[:, 0]) & (self.lo[i] == q[:, 1])
+        q = np.ascontiguousarray(queries).view("S16").reshape(-1)
+        i = np.minimum(np.searchsorted(self.keys, q), len(self.keys) - 1)
+        return self.keys[i] == q
 
 
 class FileTable:
