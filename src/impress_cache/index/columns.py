@@ -65,7 +65,7 @@ def _pack(col: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     if len(col) > 1 and np.dtype(t).itemsize > 1:
         bits = scratch(len(col), np.int64)
         bits[:] = col.view(np.int64) if col.flags.c_contiguous else np.ascontiguousarray(col).view(np.int64)
-        bits.sort()
+        bits.sort(kind="stable")  # (a stable sort, as the tree's load uses: no other sort's code paged in)
         distinct = bits[np.concatenate(([True], bits[1:] != bits[:-1]))]
         del bits
         it = _index_type(len(distinct))
