@@ -93,7 +93,9 @@ def _save_importance(path) -> dict[int, object]:
         return {store.match(t).segments[-1].node.id: store._importance.get(store.match(t).segments[-1].node.id) for t in (A, B)}
 
 
-@pytest.mark.parametrize("column, value", [("scores", "X'0000'"), ("requests", "-1"), ("layers", "3")])
+@pytest.mark.parametrize("column, value", [
+    ("scores", "X'0000'"), ("requests", "-1"), ("layers", "3"), ("scores", "substr(scores, 1, 64), length = 16"),
+])
 def test_a_damaged_importance_row_is_skipped_and_the_others_are_kept(tmp_path, caplog, column, value):
     saved = _save_importance(tmp_path)
     bad, good = list(saved)

@@ -479,11 +479,11 @@ class Index:
 
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
         """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``
-        (``scores`` None where the saved bytes are not ``layers x length`` float16 values:
-        the store skips that row, not all)."""
+        (``scores`` None where the saved bytes are not ``layers x`` the node's length
+        float16 values: the store skips that row, not all)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT i.node_id, i.layers, i.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
+                "SELECT i.node_id, i.layers, n.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
                 "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
             ).fetchall()
         return {
