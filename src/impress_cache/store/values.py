@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..index.files import find_sorted
 from ..tiers.policies.base import EvictionPolicy
 from .saved import DeferredLoad
 
@@ -89,21 +90,16 @@ class NodeValues:
 
     def _take(self, node_id: int) -> None:
         """Install the saved statistics of ``node_id`` if they are still waiting (under the lock)."""
-        ids = self._saved_ids
-        if not len(ids):
-            return
-        i = int(np.searchsorted(ids, node_id))
-        if i < len(ids) and ids[i] == node_id and self._waiting[i]:
+        i = find_sorted(self._saved_ids, node_id)
+        if i >= 0 and self._waiting[i]:
             self._waiting[i] = False
             if node_id not in self._policy:
                 self._install_row(node_id, self._saved[i])
 
     def _drop_saved(self, node_id: int) -> None:
-        ids = self._saved_ids
-        if len(ids):
-            i = int(np.searchsorted(ids, node_id))
-            if i < len(ids) and ids[i] == node_id:
-                self._waiting[i] = False
+        i = find_sorted(self._saved_ids, node_id)
+        if i >= 0:
+            self._waiting[i] = False
 
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:
