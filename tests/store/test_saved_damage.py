@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from impress_cache import ImpressStore
+from impress_cache.errors import StoreIOError
+from impress_cache.store.saved import DeferredLoad
 from impress_cache.store.writer import PromptWriter
 from test_reorder import _model, cfg, put, scatter
 from test_saved_values import Clock, _prompts
@@ -63,7 +65,10 @@ def _installed(store: ImpressStore, ids) -> dict[int, int]:
     return {i: store._values._policy.stats_of(i)["count"] for i in ids if i in store._values._policy}
 
 
-@pytest.mark.parametrize("column, value", [("count", "-5"), ("share", "1.5"), ("freq", "'many'"), ("age_s", "9e999")])
+@pytest.mark.parametrize("column, value", [
+    ("count", "-5"), ("share", "1.5"), ("freq", "'many'"), ("age_s", "9e999"),
+    ("count", "1e19"), ("seq", "1e19"),  # (a REAL past SQLite's integers: every later save would fail)
+])
 def test_a_damaged_node_statistic_is_skipped_and_the_others_are_kept(tmp_path, caplog, column, value):
     saved = _save_node_values(tmp_path)
     bad, used = sorted(saved)[1], sorted(saved)[2]
@@ -210,3 +215,55 @@ def test_a_thread_inside_an_index_transaction_triggers_the_read_while_the_writer
         assert not store._values.saved.pending and _installed(store, saved) == saved
     finally:
         store.close()
+
+
+def test_deferred_load_gives_up_after_its_attempts_and_on_a_failing_install(caplog):
+    """A read that keeps failing is tried `DeferredLoad.ATTEMPTS` times, then the owner
+    starts without the statistics; an install that raises (a bug) is logged with its
+    traceback once, not tried again by every later call."""
+    lock, reads = threading.Lock(), []
+
+    def failing_read():
+        reads.append(1)
+        raise StoreIOError("disk I/O error")
+
+    load = DeferredLoad("test statistics", lock, lambda data: None)
+    load.defer(failing_read, threading.RLock())
+    with caplog.at_level(logging.WARNING, logger="impress_cache"):
+        for _ in range(DeferredLoad.ATTEMPTS + 3):
+            load.load()
+    assert len(reads) == DeferredLoad.ATTEMPTS and not load.pending
+    assert any("starting without them" in r.getMessage() for r in caplog.records)
+
+    installs = []
+
+    def install(data):
+        installs.append(data)
+        raise KeyError("a bug")
+
+    load = DeferredLoad("test statistics", lock, install)
+    load.defer(lambda: "data", threading.RLock())
+    with caplog.at_level(logging.ERROR, logger="impress_cache"):
+        load.load()
+        load.load()
+    assert installs == ["data"] and not load.pending
+    assert [r.exc_info[0] for r in caplog.records if r.levelno == logging.ERROR] == [KeyError]
+
+
+def test_a_failed_read_inside_an_index_transaction_is_raised(tmp_path):
+    """A thread inside an index transaction that triggers a read that fails gets the error
+    (SQLite may have rolled its transaction back); `Index.in_transaction` is per thread."""
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        index, seen = store.index, {}
+        load = DeferredLoad("test statistics", threading.Lock(), lambda data: None)
+        load.defer(lambda: (_ for _ in ()).throw(StoreIOError("disk I/O error")), store._catalog.lock, index.in_transaction)
+        with store._catalog.lock, index.transaction():
+            other = threading.Thread(target=lambda: seen.update(other=index.in_transaction()))
+            other.start()
+            other.join(60)
+            assert index.in_transaction() and seen == {"other": False}
+            with pytest.raises(StoreIOError):
+                load.load()
+        assert not index.in_transaction() and load.pending
+        load.load()  # outside a transaction: logged, tried again later
+        assert load.pending and load.failures == 2

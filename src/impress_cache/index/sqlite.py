@@ -70,6 +70,7 @@ class Index:
             raise index_error(path, exc) from exc
         self._lock = threading.RLock()
         self._in_transaction = False
+        self._tx_thread = 0
         try:
             with self._lock:
                 if read_only:
@@ -138,6 +139,11 @@ class Index:
             self._conn.close()
 
     # -- transactions ----------------------------------------------------------------
+    def in_transaction(self) -> bool:
+        """Whether the calling thread is inside `transaction` (the index's lock is
+        reentrant: no other thread runs one meanwhile)."""
+        return self._in_transaction and self._tx_thread == threading.get_ident()
+
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A failed
@@ -167,7 +173,7 @@ class Index:
                 self._conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise index_error(self.path, exc) from exc
-            self._in_transaction = True
+            self._in_transaction, self._tx_thread = True, threading.get_ident()
             try:
                 try:
                     yield self._conn

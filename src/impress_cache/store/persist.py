@@ -51,7 +51,7 @@ def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
     return cols
 
 
-def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float, what: str = "block statistics") -> dict[Any, dict[str, Any]]:
+def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
     """`rebase_columns` of saved records given as ``(key, record)`` pairs; impossible
     ones skipped (`skip`)."""
     rows = list(rows)
@@ -60,7 +60,7 @@ def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float, what: str = "
     cols = float_rows([[rec[k] for k in SAVED] for _, rec in rows])
     ok = possible_rows(cols)
     keys = [key for key, _ in rows]
-    if skip(what, ok, keys):
+    if skip("block statistics", ok, keys):
         keys, cols = [key for key, good in zip(keys, ok.tolist()) if good], cols[ok]
     cols = rebase_columns(cols, now)
     return {key: dict(zip(POLICY, vals)) for key, vals in zip(keys, cols.tolist())}
@@ -164,10 +164,11 @@ class StatsKeeper:
                 records = {k: rec for (k, rec), good in zip(records.items(), ok) if good}
             return records
 
-        self._nodes.saved.defer(read_node_stats, self._guard)
+        busy = self._index.in_transaction
+        self._nodes.saved.defer(read_node_stats, self._guard, busy)
         self._background(self._nodes.saved.load)
         if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
-            self._importance.saved.defer(read_importance, self._guard)
+            self._importance.saved.defer(read_importance, self._guard, busy)
             self._background(self._importance.saved.load)
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)

@@ -26,6 +26,10 @@ from ..errors import ImpressError, StoreIOError
 
 log = logging.getLogger(__name__)
 
+#: a saved count or sequence number must stay below this: it is saved again as a SQLite
+#: integer (8 bytes), and later accesses count on from it
+_INT_LIMIT = 2.0**62
+
 #: the fields of a saved record of a block or a node (`Index.load_block_stats`; the
 #: columns of `Index.load_node_stats`)
 SAVED = ("count", "freq", "share", "age_s", "seq", "saved_at")
@@ -47,10 +51,16 @@ class DeferredLoad:
 
     What a failed read does (the one place that decides it): a `StoreIOError` (the index
     could not be read now: busy, interrupted, out of space...) keeps the read for the
-    next call; any other `ImpressError` (what was saved cannot be decoded) gives up and
-    the owner starts without saved statistics. Both are logged, never raised. Anything
-    else is a bug: raised as it is, the read kept.
+    next call, up to `ATTEMPTS` failed reads (then the owner starts without them); any
+    other `ImpressError` (what was saved cannot be decoded) gives up at once. Both are
+    logged, not raised, except a failed read by a thread inside an index transaction
+    (SQLite may have rolled that transaction back: its owner must know). Anything else
+    is a bug: logged with its traceback, and the owner goes on with what was installed
+    (statistics only order things), instead of failing every later call.
     """
+
+    #: failed reads (`StoreIOError`) after which the owner starts without the statistics
+    ATTEMPTS = 5
 
     def __init__(self, what: str, lock: Any, install: Callable[[Any], Any]) -> None:
         #: what the statistics are, for the log ("statistics of the stored prefixes")
@@ -60,11 +70,18 @@ class DeferredLoad:
         self._install = install
         self._read: Callable[[], Any] | None = None
         self._guard: Any = None
+        self._in_transaction: Callable[[], bool] = lambda: False
+        #: reads that failed so far
+        self.failures = 0
 
-    def defer(self, read: Callable[[], Any], guard: Any) -> None:
-        """Read with ``read()`` at the first `load`, holding ``guard`` (see the class)."""
+    def defer(self, read: Callable[[], Any], guard: Any, in_transaction: Callable[[], bool] | None = None) -> None:
+        """Read with ``read()`` at the first `load`, holding ``guard`` (see the class);
+        ``in_transaction()`` says whether the calling thread is inside an index
+        transaction (then a failed read is raised: SQLite may have rolled it back)."""
         with self._lock:
             self._read, self._guard = read, guard
+            if in_transaction is not None:
+                self._in_transaction = in_transaction
 
     @property
     def pending(self) -> bool:
@@ -81,27 +98,34 @@ class DeferredLoad:
             if read is None:  # another thread installed them meanwhile
                 return
             try:
-                data = read()
+                self._install(read())
             except StoreIOError as exc:
-                log.warning("reading the saved %s failed (%s); trying again at the next call that needs them", self.what, exc)
-                return
+                self.failures += 1
+                if self._in_transaction():  # (the caller's transaction may be rolled back: it must know)
+                    raise
+                if self.failures < self.ATTEMPTS:
+                    log.warning("reading the saved %s failed (%s); trying again at the next call that needs them", self.what, exc)
+                    return
+                log.warning("reading the saved %s failed %d times (%s); starting without them", self.what, self.failures, exc)
             except ImpressError as exc:
                 log.warning("the saved %s are not usable (%s); starting without them", self.what, exc)
-            else:
-                self._install(data)
+            except Exception:  # a bug: reported, and never again on every later call
+                log.exception("installing the saved %s failed; starting without them", self.what)
             self._read = None
 
 
 def possible_rows(cols: np.ndarray) -> np.ndarray:
     """Which saved records are possible: ``cols`` is ``float64 [n, 6]`` of the `SAVED`
     fields (a value that is not a number read as NaN); every value finite, count,
-    frequency, age and sequence number not negative, share within ``[0, 1]``. Checked a
+    frequency, age and sequence number not negative, count and sequence number below
+    2**62 (they are saved again as integers), share within ``[0, 1]``. Checked a
     block of rows at a time (small temporaries)."""
     ok = np.empty(len(cols), bool)
     for k in range(0, len(cols), 4096):
         c = cols[k : k + 4096]
         good = np.isfinite(c).all(axis=1)
         good &= (c[:, [0, 1, 3, 4]] >= 0).all(axis=1) & (c[:, 2] <= 1.0) & (c[:, 2] >= 0.0)
+        good &= (c[:, [0, 4]] < _INT_LIMIT).all(axis=1)  # (saved again as SQLite integers)
         ok[k : k + 4096] = good
     return ok
 
@@ -116,7 +140,7 @@ def possible_importance(record: tuple[Any, Any, Any, Any], layers: int) -> bool:
     numbers = (requests, pending, saved_at)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
         return False
-    if requests < 0 or pending < 0 or pending != int(pending):
+    if requests < 0 or not 0 <= pending < _INT_LIMIT or pending != int(pending):
         return False
     with np.errstate(invalid="ignore"):
         return bool(np.isfinite(scores).all() and (scores >= 0).all())

@@ -181,6 +181,8 @@ class ImportanceStats:
         a record of ``layers`` rows (`saved.possible_importance`)."""
         now, wall = self._clock(), time.time()
         for node_id, (scores, requests, pending, saved_at) in records.items():
+            if node_id in self._nodes:  # recorded since open (a read that failed first): newer
+                continue
             at = now - max(0.0, wall - saved_at)
             self._nodes[node_id] = NodeImportance(scores.astype(np.float16, copy=False), float(requests), int(pending), at)
         return len(records)
