@@ -30,7 +30,12 @@ At each size:
   `ImpressStore.enforce_disk_budget` after it. ``throughput_ratio`` is the median over
   the pairs of at / below (interleaving puts a slow spell of the shared disk or CPU on
   both phases; a window's rate varies by +-30% on a busy machine), and
-  ``throughput_ratio_total`` all writes at the budget over their time against all below. Then the budget is
+  ``throughput_ratio_total`` all writes at the budget over their time against all below;
+  ``cpu_ratio`` is the CPU time per write below over at of the writer thread (the
+  writes, the removals in their transactions, the statistics saves it runs between
+  them) and of the thread that deletes evicted files (``/proc/self/task/*/schedstat``):
+  what a write at the budget costs more, without the other jobs of a shared machine.
+  Then the budget is
   lifted and the store grows on;
 * **open**: in a fresh process, `ImpressStore(path, None)` seconds (``open_s``: until
   the constructor returns; ``ready_s``: until the work it leaves to the writer thread,
@@ -190,17 +195,40 @@ def window(model, store: ImpressStore, prompts: Prompts, start: int, count: int,
 
     store._gc.enforce, store._catalog.evictor = timed, timed_within
     before = store.stats()["prefixes_evicted"]
+    cpu0 = store_cpu_s(store)
     writer = Writer(store, prompts, start, start + count)
     writer.start()
     req = requests(model, store, prompts, stored, writer, n_req)
     writer.join()
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in store_cpu_s(store).items()}  # (a thread started meanwhile: from 0)
     store._gc.enforce, store._catalog.evictor = enforce, evictor
     if writer.error is not None:
         raise writer.error
     return {
-        "writes": count, "write_prompts_per_s": writer.prompts_per_s, **req,
+        "writes": count, "write_prompts_per_s": writer.prompts_per_s, "cpu_s": sum(cpu.values()), **req,
         "evicted_prefixes": store.stats()["prefixes_evicted"] - before, "raw": {**req.pop("raw"), "evict": evictions},
     }
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """CPU seconds a thread of this process has run (``/proc``; 0 where there is none)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def store_cpu_s(store: ImpressStore) -> dict[int, float]:
+    """CPU seconds so far of the threads that write and evict, by thread id: the writer
+    thread (each write and the removals in its transaction, and the statistics saves it
+    runs between writes) and the thread that deletes evicted files. What the writes cost
+    in CPU, whatever else the shared machine runs meanwhile."""
+    ids = [store._writer._pool.submit(threading.get_native_id).result()]
+    unlinker = store._leases.unlinker._thread
+    if unlinker is not None and unlinker.native_id is not None:
+        ids.append(unlinker.native_id)
+    return {i: _thread_cpu_s(i) for i in ids}
 
 
 def _summary(windows: list[dict]) -> dict:
@@ -213,6 +241,7 @@ def _summary(windows: list[dict]) -> dict:
         "writes": sum(w["writes"] for w in windows),
         "write_prompts_per_s": statistics.median(w["write_prompts_per_s"] for w in windows),
         "write_prompts_per_s_windows": [w["write_prompts_per_s"] for w in windows],
+        "cpu_ms_per_write": 1e3 * sum(w["cpu_s"] for w in windows) / sum(w["writes"] for w in windows),
         "requests": len(build),
         "construct_ms_p50": 1e3 * _pct(build, 50), "construct_ms_p99": 1e3 * _pct(build, 99),
         "generate_ms_p50": 1e3 * _pct(gen, 50),
@@ -251,10 +280,15 @@ def phases(model, store: ImpressStore, prompts: Prompts, start: int, args: argpa
     def rate(side: list[dict]) -> float:  # all writes of a side over their time
         return sum(w["writes"] for w in side) / sum(w["writes"] / w["write_prompts_per_s"] for w in side)
 
+    below, at = _summary(runs["below"]), _summary(runs["at"])
+    below_cpu, at_cpu = below["cpu_ms_per_write"], at["cpu_ms_per_write"]
     return {
-        "below": _summary(runs["below"]), "at": _summary(runs["at"]), "written": written,
+        "below": below, "at": at, "written": written,
         "throughput_ratio": statistics.median(ratios), "throughput_ratios": ratios,
         "throughput_ratio_total": rate(runs["at"]) / rate(runs["below"]),
+        # CPU per write (writer and unlink threads) below over at: the writes' cost without
+        # the noise of the shared machine's other jobs (which the wall-clock ratios carry)
+        "cpu_ratio": below_cpu / at_cpu,
     }
 
 

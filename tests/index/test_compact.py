@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from impress_cache.errors import StoreFormatError
-from impress_cache.index.files import FileTable
+from impress_cache.index.files import FileTable, find_sorted
 from impress_cache.index.sqlite import Index, NewFile
 from impress_cache.store.catalog import CHUNK_DIR, Catalog
 
@@ -361,3 +361,34 @@ def test_listing_is_matched_on_whole_names_with_shared_leading_bytes_and_zeros(t
     listing = [s + ".safetensors" for s in stems] + ["0" * 28 + "0100.safetensors", stems[0] + ".h5"]
     assert files.unlisted([listing], ("safetensors", "h5")) == listing[4:]
     index.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.int64]),
+    st.lists(st.integers(-(2**31), 2**32), max_size=40, unique=True),
+    st.lists(st.integers(-(2**40), 2**40), max_size=20),
+)
+def test_find_sorted_is_a_lookup_in_any_width(dtype, values: list[int], probes: list[int]) -> None:
+    """`find_sorted` finds exactly the values of a narrowed sorted column, and none of
+    the values outside it (also those the column's type cannot hold)."""
+    info = np.iinfo(dtype)
+    column = np.array(sorted(v for v in values if info.min <= v <= info.max), dtype)
+    where = {int(v): i for i, v in enumerate(column.tolist())}
+    for v in [*probes, *where, info.min - 1, info.max + 1]:
+        assert find_sorted(column, v) == where.get(v, -1)
+
+
+def test_lookups_do_not_copy_the_columns() -> None:
+    """A lookup by id in a narrow column (the file table's ids, the tree's loaded node ids)
+    is a binary search of the column as it is: a Python int as the key would convert the
+    whole column to 64-bit integers first, a copy per lookup (O(n) time and memory)."""
+    column = np.arange(0, 2_000_000, 2, dtype=np.uint32)
+    tracemalloc.start()
+    try:
+        for v in (0, 1, 777_776, 1_999_998, 5_000_000):
+            find_sorted(column, v)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10, peak  # the copy would take 8 MB

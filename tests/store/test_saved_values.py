@@ -70,16 +70,16 @@ def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path
     monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
     store = ImpressStore(tmp_path, _model(), cfg(policy="lfu"))
     try:
-        assert store._values._pending is not None  # not read while opening
+        assert store._values.saved.pending  # not read while opening
         store.lease([store.match(toks)]).release()  # the request's access: the saved ones come first
-        assert store._values._pending is None
+        assert not store._values.saved.pending
         assert store._values._policy.stats_of(leaf)["count"] == saved + 1
     finally:
         go.set()
         store.close()
     with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
         store.flush()  # the writer thread read them
-        assert store._values._pending is None
+        assert not store._values.saved.pending
         assert store._values._policy.stats_of(leaf)["count"] == saved + 1
 
 
@@ -104,9 +104,9 @@ def test_saved_importance_is_read_after_open_and_before_a_request_adds_to_it(tmp
     monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
     store = ImpressStore(tmp_path, _model(), cfg(half_life_s=None))
     try:
-        assert store._importance._pending is not None  # not read while opening
+        assert store._importance.saved.pending  # not read while opening
         scatter(store, toks)  # a request's importance: the saved sums come first
-        assert store._importance._pending is None
+        assert not store._importance.saved.pending
         now = store._importance.get(node.id)
         assert now.requests == saved.requests + 1
         assert np.array_equal(now.scores, 2 * saved.scores)
@@ -147,8 +147,8 @@ def test_saved_values_kept_packed_answer_as_the_full_columns_do(tmp_path, monkey
     def opened(pack: bool) -> values.NodeValues:
         monkeypatch.setattr(values, "PackedColumns", PackedColumns if pack else np.asarray)
         nv = values.NodeValues(make_policy(policy), clock)
-        nv.defer_saved(lambda: (saved_ids.copy(), cols.copy()), threading.RLock())
-        nv.load_pending()
+        nv.saved.defer(lambda: (saved_ids.copy(), cols.copy()), threading.RLock())
+        nv.saved.load()
         return nv
 
     packed, full = opened(True), opened(False)

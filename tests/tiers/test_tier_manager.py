@@ -425,6 +425,26 @@ def test_evict_and_drop() -> None:
     assert mgr.blocks() == []
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 14), max_size=15))
+def test_drop_many_equals_drop_of_each(resident: list[int], dropped: list[int]) -> None:
+    """`drop_many` (the blocks of deleted files, under one hold of the lock) leaves the
+    manager as `drop` of each key does, known or not, resident or not."""
+    managers = [TierManager(150, 200, ScorePolicy(), clock=FakeClock()) for _ in range(2)]
+    for mgr in managers:
+        for k in resident:
+            mgr.touch(k, 0.5)
+            mgr.put_from_disk(k, k, 50)
+        mgr.touch(12, 0.3)  # statistics, never resident
+    one, many = managers
+    removed = sum(one.drop(k) for k in dropped)
+    assert many.drop_many(dropped) == removed
+    assert sorted(many.blocks(), key=str) == sorted(one.blocks(), key=str)
+    assert set(many.policy.keys()) == set(one.policy.keys())
+    assert many.stats() == one.stats()
+    many._check_invariants()
+
+
 def test_batch_lookup_and_admit_equal_single_calls() -> None:
     """lookup/admit of one key are touch+get and put_from_disk (lookup reports the tier
     the block was found in)."""

@@ -13,6 +13,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import ImpressError, ReadOnlyStoreError, StoreFormatError, StoreIOError
 from ..storage.base import kind_of
 
@@ -55,6 +57,16 @@ def is_damage(exc: BaseException, decoding: bool = False) -> bool:
     if isinstance(exc, (ImpressError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
         return False
     return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, _MALFORMED))
+
+
+def float_rows(rows: list[tuple] | list[list]) -> np.ndarray:
+    """Rows of numbers read back as ``float64 [n, m]``. A value that is not a number (a
+    damaged row's text, bytes or NULL) becomes NaN: its caller skips that row, not all."""
+    try:
+        out = np.array(rows, dtype=np.float64)
+    except (ValueError, TypeError):  # (rare: one value per call from here on)
+        out = np.array([[v if isinstance(v, (int, float)) else np.nan for v in r] for r in rows], np.float64)
+    return out.reshape(len(rows), -1)
 
 
 def _check_regular(path: Path) -> None:

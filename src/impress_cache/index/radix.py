@@ -16,14 +16,15 @@ has committed them (`apply`), with the ids the index gave the new nodes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import bisect
-
 import numpy as np
+
+from .files import find_sorted
 
 TokenArray = np.ndarray
 
@@ -274,11 +275,7 @@ class _NodeTable:
         self._more = more
 
     def _at(self, node_id: int) -> int:
-        ids = self._ids
-        if not len(ids) or not int(ids[0]) <= node_id <= int(ids[-1]):
-            return -1
-        i = int(ids.searchsorted(node_id))
-        return i if ids[i] == node_id else -1
+        return find_sorted(self._ids, node_id)
 
     def get(self, node_id: int) -> RadixNode | None:
         node = self._more.get(node_id)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ReadOnlyStoreError, StoreFormatError
-from .guard import _check_regular, _guarded, index_error, is_damage
+from .guard import _MALFORMED, _check_regular, _guarded, float_rows, index_error, is_damage
 from ..storage.base import BlockKey, create_file, disk_bytes
 from .columns import scratch
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
@@ -71,6 +71,7 @@ class Index:
             raise index_error(path, exc) from exc
         self._lock = threading.RLock()
         self._in_transaction = False
+        self._tx_thread = 0
         try:
             with self._lock:
                 if read_only:
@@ -139,6 +140,11 @@ class Index:
             self._conn.close()
 
     # -- transactions ----------------------------------------------------------------
+    def in_transaction(self) -> bool:
+        """Whether the calling thread is inside `transaction` (the index's lock is
+        reentrant: no other thread runs one meanwhile)."""
+        return self._in_transaction and self._tx_thread == threading.get_ident()
+
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE`` .. ``COMMIT``; rolls back on any exception. A failed
@@ -168,7 +174,7 @@ class Index:
                 self._conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as exc:
                 raise index_error(self.path, exc) from exc
-            self._in_transaction = True
+            self._in_transaction, self._tx_thread = True, threading.get_ident()
             try:
                 try:
                     yield self._conn
@@ -479,23 +485,24 @@ class Index:
         return self._upsert_if_owned("node_importance", "node_id, layers, length, scores, requests, pending, saved_at", "nodes", rows)
 
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
-        """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``."""
+        """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``
+        (``scores`` None where the saved bytes are not ``layers x`` the node's length
+        float16 values: the store skips that row, not all)."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT i.node_id, i.layers, i.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
+                "SELECT i.node_id, i.layers, n.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
                 "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
             ).fetchall()
         return {
-            r[0]: (np.frombuffer(r[3], dtype="<f2").reshape(r[1], r[2]).astype(np.float16), r[4], r[5], r[6])
+            r[0]: (_scores(r[3], r[1], r[2]), r[4], r[5], r[6])
             for r in rows
         }
 
     def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Saved per-node statistics (a node's go with it: trigger ``node_removed``), as
         columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
-        freq, share, age_s, seq, saved_at`` (wall-clock seconds; a view of columns). Rows
-        are copied into `scratch` arrays sized up front (their memory goes back to the
-        system once the caller drops them), a chunk at a time (little transient memory)."""
+        freq, share, age_s, seq, saved_at`` (wall-clock seconds), copied a chunk at a time
+        into `scratch` arrays sized up front (unmapped once the caller drops them)."""
         # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
         with self._lock, gc_paused():
             with _snapshot(self._conn):
@@ -503,7 +510,7 @@ class Index:
                 ids, data, k, block = scratch(n, np.int64), scratch((6, n), np.float64), 0, None
                 cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
                 while rows := cur.fetchmany(2048):
-                    block = np.array(rows, dtype=np.float64).reshape(-1, 7)
+                    block = float_rows(rows)  # (a value that is not a number: NaN, skipped by the store)
                     ids[k : k + len(rows)], data[:, k : k + len(rows)] = block[:, 0], block[:, 1:].T
                     k += len(rows)
             self._conn.execute("PRAGMA shrink_memory")
@@ -520,6 +527,14 @@ _DECODING = {
 for _name, _fn in list(vars(Index).items()):
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
         setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
+
+
+def _scores(blob: Any, layers: Any, length: Any) -> np.ndarray | None:
+    """Saved importance scores as ``float16 [layers, length]``, or None if malformed."""
+    try:
+        return np.frombuffer(blob, dtype="<f2").reshape(layers, length).astype(np.float16)
+    except _MALFORMED:
+        return None
 
 
 @contextmanager

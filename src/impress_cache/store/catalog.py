@@ -145,8 +145,8 @@ class Catalog:
     def _add_record(self, record: FileRecord) -> None:
         self.records[record.id] = record
 
-    def _drop_record(self, file_id: int) -> None:
-        self.records.pop(file_id, None)
+    def _drop_record(self, file_id: int) -> FileRecord | None:
+        return self.records.pop(file_id, None)
 
     def close(self) -> None:
         with self.lock:
@@ -484,9 +484,7 @@ class Catalog:
         rec = None if file_id in self.records else self.index.file(file_id)
         if not self.index.delete_file_if_unreferenced(conn, file_id):  # type: ignore[arg-type]
             return None
-        rec = rec or self.records.get(file_id)
-        self._drop_record(file_id)
-        return rec
+        return self._drop_record(file_id) or rec
 
     def indexed(self, file_ids: Iterable[int]) -> bool:
         """Whether every file of ``file_ids`` is in the index now (one look at other

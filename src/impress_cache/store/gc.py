@@ -339,8 +339,7 @@ def drop_blocks(tiers: TierManager, file_ids: set[int], records: dict[int, FileR
     """Forget the blocks of deleted files in the memory tiers: by key for files whose
     shape ``records`` gives (cost per block of those files), by a search of every block
     the tiers know for the others (files another process deleted)."""
-    for key in block_keys(records.values()):
-        tiers.drop(key)
+    tiers.drop_many(block_keys(records.values()))
     unknown = file_ids - set(records)
     if unknown:
         tiers.drop_where(lambda key: key[0] in unknown)

@@ -6,7 +6,8 @@ Every block a request accesses through the memory tiers is marked, and so is eve
 it reuses; the marked statistics are written to the index on `flush`, on `close` and,
 while requests run, at most every ``stats_interval_s`` seconds on the writer thread.
 Opening the store installs them again, with their ages extended by the time the store
-was closed.
+was closed; a saved row with impossible values is skipped, the others installed
+(`saved.possible_rows`).
 """
 
 from __future__ import annotations
@@ -20,26 +21,26 @@ from typing import Any
 import numpy as np
 
 from ..index.files import release_free_heap
+from ..index.guard import float_rows
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
 from ..tiers import TierManager
 from .reorder.importance import ImportanceStats
+from .saved import SAVED, possible_importance, possible_rows, skip
 from .values import NodeValues
 
 log = logging.getLogger(__name__)
 
 
-#: the fields of a saved record (`Index.load_block_stats`; the columns of
-#: `Index.load_node_stats`), and of a policy record on the store's clock
-SAVED = ("count", "freq", "share", "age_s", "seq", "saved_at")
+#: the fields of a policy record on the store's clock (`rebase_columns` of `SAVED` ones)
 POLICY = ("count", "freq", "share", "seq", "freq_time", "last_access")
 
 
 def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
     """Saved records as policy records on a clock reading ``now``: the time the store
     was closed counts as idle time. ``cols``: ``float64 [n, 6]`` of the `SAVED` fields,
-    turned into the `POLICY` fields in place (a block of rows at a time: small
-    temporaries) and returned."""
+    every row possible (`possible_rows`), turned into the `POLICY` fields in place (a
+    block of rows at a time: small temporaries) and returned."""
     wall = time.time()
     for k in range(0, len(cols), 4096):
         c = cols[k : k + 4096]
@@ -47,17 +48,22 @@ def rebase_columns(cols: np.ndarray, now: float) -> np.ndarray:
         c[:, 5] = saved - c[:, 3]  # last access: age_s before it
         c[:, 3] = c[:, 4]  # seq
         c[:, 4] = saved  # freq_time
-        np.clip(c[:, 2], 0.0, 1.0, out=c[:, 2])
     return cols
 
 
 def rebase(rows: Iterable[tuple[Any, dict[str, Any]]], now: float) -> dict[Any, dict[str, Any]]:
-    """`rebase_columns` of saved records given as ``(key, record)`` pairs."""
+    """`rebase_columns` of saved records given as ``(key, record)`` pairs; impossible
+    ones skipped (`skip`)."""
     rows = list(rows)
     if not rows:
         return {}
-    cols = rebase_columns(np.array([[float(rec[k]) for k in SAVED] for _, rec in rows], np.float64), now)
-    return {key: dict(zip(POLICY, vals)) for (key, _), vals in zip(rows, cols.tolist())}
+    cols = float_rows([[rec[k] for k in SAVED] for _, rec in rows])
+    ok = possible_rows(cols)
+    keys = [key for key, _ in rows]
+    if skip("block statistics", ok, keys):
+        keys, cols = [key for key, good in zip(keys, ok.tolist()) if good], cols[ok]
+    cols = rebase_columns(cols, now)
+    return {key: dict(zip(POLICY, vals)) for key, vals in zip(keys, cols.tolist())}
 
 
 class StatsKeeper:
@@ -85,6 +91,8 @@ class StatsKeeper:
         self._dirty: set[BlockKey] = set()
         self._saved_at = tiers.now()
         self.closed = False
+        #: saved rows skipped at the last load because their values are impossible
+        self.skipped = {"block statistics": 0, "node statistics": 0, "importance statistics": 0}
 
     def mark(self, keys: Iterable[BlockKey]) -> None:
         """Note accessed blocks; schedule a save when the interval has passed."""
@@ -127,6 +135,10 @@ class StatsKeeper:
                 self._importance.unsaved(importance)
             raise
 
+    def _skipped(self, what: str, ok: Any, keys: Any) -> int:
+        self.skipped[what] = skip(what, ok, keys)
+        return self.skipped[what]
+
     def _save_quietly(self) -> None:
         try:
             self.save()
@@ -135,22 +147,36 @@ class StatsKeeper:
 
     def load(self) -> int:
         """Install the saved statistics; returns the number of block records. The node
-        statistics are read on the writer thread after the store opened, or by the first
-        call that needs them (`NodeValues.defer_saved`)."""
+        statistics and the importance are read on the writer thread after the store
+        opened, or by the first call that needs them (`saved.DeferredLoad`). Saved rows
+        with impossible values are skipped, counted in ``skipped`` and logged."""
         def read_node_stats() -> tuple[Any, Any]:
             ids, cols = self._index.load_node_stats()
+            ok = possible_rows(cols)
+            if self._skipped("node statistics", ok, ids):
+                ids, cols = ids[ok], cols[ok]
             return ids, rebase_columns(cols, self._tiers.now())  # (with the wall clock, read together)
 
-        self._nodes.defer_saved(read_node_stats, self._guard)
-        self._background(_then_release(self._nodes.load_pending))
+        def read_importance() -> dict[int, Any]:
+            records, layers = self._index.load_importance(), self._importance.layers
+            ok = [possible_importance(rec, layers) for rec in records.values()]
+            if self._skipped("importance statistics", ok, list(records)):
+                records = {k: rec for (k, rec), good in zip(records.items(), ok) if good}
+            return records
+
+        busy = self._index.in_transaction
+        self._nodes.saved.defer(read_node_stats, self._guard, busy)
+        self._background(_then_release(self._nodes.saved.load))
         if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
-            self._importance.defer(self._index.load_importance, self._guard)
-            self._background(_then_release(self._importance.load_pending))
+            self._importance.saved.defer(read_importance, self._guard, busy)
+            self._background(_then_release(self._importance.saved.load))
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []
-        loaded = self._tiers.import_stats(rebase(rows, self._tiers.now()), now=None) if rows else 0
-        del rows
+        records = rebase(rows, self._tiers.now()) if rows else {}
+        self.skipped["block statistics"] = len(rows) - len(records)
+        loaded = self._tiers.import_stats(records, now=None) if records else 0
+        del rows, records
         release_free_heap()  # the temporaries of the loads
         return loaded
 

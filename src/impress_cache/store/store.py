@@ -522,8 +522,7 @@ class ImpressStore:
             `invalid_io_ratio`), ``kv_bytes_read_disk``, ``decode_bytes_read_disk``,
             ``probe_bytes_read_disk`` (block sizes, without gaps).
 
-            Disk budget: ``disk_budget`` (``None``: unbounded), ``prefixes_evicted``,
-            ``files_evicted``, ``disk_bytes_evicted``.
+            Disk budget: ``disk_budget`` (``None``: unbounded), ``prefixes_evicted``, ``files_evicted``, ``disk_bytes_evicted``.
 
             Reordering: ``reorganisations`` (nodes rewritten), ``bytes_rewritten``,
             ``reorg_bytes_read``, ``reorg_seconds``, ``reorgs_abandoned``;
@@ -531,14 +530,15 @@ class ImpressStore:
             selected row, over every layer of those requests; ``1 / chunk_tokens`` is
             the least possible).
 
-            ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one.
+            ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one;
+            ``saved_rows_skipped``: saved statistics skipped as impossible, per kind.
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
             len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
         out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
-        out["remote"] = self._remote.stats()
+        out.update(remote=self._remote.stats(), saved_rows_skipped=dict(self._stats.skipped))
         return out
 
     def reset_stats(self) -> None:

@@ -17,8 +17,9 @@ top is always the node with the lowest current key. Whether a popped node is sti
 leaf of the tree, and free to go, is the caller's check. Stale items are dropped in bulk
 when the heap holds more than four times as many items as nodes it knows.
 
-Statistics saved in the index are read after the store opened (`defer_saved`: on the
-writer thread, or by the first call that needs them), kept as columns (`_load_saved`)
+Statistics saved in the index are read after the store opened (``saved``, a
+`DeferredLoad`: on the writer thread, or by the first call that needs them; its rows with
+impossible values skipped), kept as columns (`_load_saved`)
 and become policy records only when their node is used (accessed, split, or taken off
 the eviction heap): the heap's first items are keyed from the columns at once (the
 policy's `sort_keys`), so starting the disk budget on a large store costs a sort, not a
@@ -28,18 +29,16 @@ record per node.
 from __future__ import annotations
 
 import heapq
-import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from ..errors import ImpressError, StoreIOError
 from ..index.columns import PackedColumns
+from ..index.files import find_sorted
 from ..tiers.policies.base import EvictionPolicy
-
-log = logging.getLogger(__name__)
+from .saved import DeferredLoad
 
 _COMPACT_MIN = 256
 
@@ -63,48 +62,19 @@ class NodeValues:
         self._saved_ids = np.zeros(0, np.int64)
         self._saved = np.zeros((0, 6), np.float64)
         self._waiting = np.zeros(0, bool)
-        #: reads the saved statistics (`defer_saved`) until they are loaded
-        self._pending: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
-        self._guard: Any = None
+        #: the saved statistics (``read() -> (ids, columns)``, as `_load_saved` takes
+        #: them), read after open by the first call of any method below that needs them
+        self.saved = DeferredLoad("statistics of the stored prefixes", self._lock, lambda saved: self._load_saved(*saved))
 
     # -- saved statistics, installed when first needed -------------------------------------
-    def defer_saved(self, read: Callable[[], tuple[np.ndarray, np.ndarray]], guard: Any) -> None:
-        """Read the saved statistics (``read() -> (ids, columns)``, as `_load_saved`
-        takes them) at the first call of any method below, or at `load_pending`: opening
-        a store does not wait for them. ``guard`` (the catalog's lock, under which every
-        index transaction runs) is held around the read, taken before this object's
-        lock: a thread inside a transaction that calls in here holds it already, and no
-        thread waits for it while holding this object's lock."""
-        with self._lock:
-            self._pending, self._guard = read, guard
-
-    def load_pending(self) -> None:
-        """Read the deferred saved statistics now, if they are still to read."""
-        self._ensure()
-
     def _ensure(self) -> None:
         """(Not under the lock.) Nothing is recorded before the saved statistics are in:
-        what was saved comes first, as if read at open."""
-        if self._pending is None:
-            return
-        with self._guard, self._lock:
-            if self._pending is None:
-                return
-            read, self._pending = self._pending, None
-            try:
-                self._load_saved(*read())
-            except StoreIOError as exc:  # (a failed read: tried again by the next call)
-                self._pending = read
-                log.warning("reading the saved statistics of the stored prefixes failed (%s); trying again later", exc)
-            except ImpressError as exc:  # (advisory: never fails the request that needed them)
-                log.warning("the saved statistics of the stored prefixes are not usable (%s); starting without them", exc)
+        what was saved comes first, as if read at open (`DeferredLoad.load`)."""
+        self.saved.load()
 
     def _load_saved(self, ids: np.ndarray, cols: np.ndarray) -> int:
-        count, freq, share = cols[:, 0], cols[:, 1], cols[:, 2]
-        bad = (count < 0) | ~(freq >= 0) | ~((share >= 0) & (share <= 1))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            self._install_row(int(ids[i]), cols[i])  # the policy names what is wrong
+        """(Under the lock.) Saved statistics as columns: node ids (increasing) and the
+        policy fields (`persist.rebase_columns`), every row possible (`saved.possible_rows`)."""
         # (ids in four bytes while they fit: searched, never changed)
         self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
         self._saved = PackedColumns(cols)  # (the same values in fewer bytes: most columns are small ints or few values)
@@ -121,21 +91,16 @@ class NodeValues:
 
     def _take(self, node_id: int) -> None:
         """Install the saved statistics of ``node_id`` if they are still waiting (under the lock)."""
-        ids = self._saved_ids
-        if not len(ids):
-            return
-        i = int(np.searchsorted(ids, node_id))
-        if i < len(ids) and ids[i] == node_id and self._waiting[i]:
+        i = find_sorted(self._saved_ids, node_id)
+        if i >= 0 and self._waiting[i]:
             self._waiting[i] = False
             if node_id not in self._policy:
                 self._install_row(node_id, self._saved[i])
 
     def _drop_saved(self, node_id: int) -> None:
-        ids = self._saved_ids
-        if len(ids):
-            i = int(np.searchsorted(ids, node_id))
-            if i < len(ids) and ids[i] == node_id:
-                self._waiting[i] = False
+        i = find_sorted(self._saved_ids, node_id)
+        if i >= 0:
+            self._waiting[i] = False
 
     # -- statistics --------------------------------------------------------------------
     def access(self, node_ids: Iterable[int], share: float = 1.0) -> None:

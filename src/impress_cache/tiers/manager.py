@@ -333,6 +333,24 @@ class TierManager(TierView):
             self._policy.forget(key)
             return resident
 
+    def drop_many(self, keys: Iterable[Hashable]) -> int:
+        """`drop` each of ``keys`` under one hold of the lock (the blocks of deleted chunk
+        files: most are neither resident nor known, and cost a dictionary lookup each).
+        Returns the number removed from memory."""
+        removed = 0
+        with self._lock:
+            where, sizes, policy = self._where, self._sizes, self._policy
+            for key in keys:
+                entry = where.get(key)
+                if entry is not None:
+                    self._remove(entry)
+                    self._c.removals += 1
+                    removed += 1
+                sizes.pop(key, None)
+                if key in policy:
+                    policy.forget(key)
+        return removed
+
     def drop_where(self, predicate: Callable[[Hashable], bool]) -> int:
         """`drop` every block whose key satisfies ``predicate`` (for example the blocks of
         a deleted chunk file). Returns the number removed from memory."""

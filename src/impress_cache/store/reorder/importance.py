@@ -11,25 +11,22 @@ decided; the reorganiser looks at a node again only once it has enough of them.
 
 A split node's halves take their columns of its statistics; a rewritten node's
 replacement takes them whole. The statistics are saved to the index with the block
-statistics and read again after the store opened (`defer`: on the writer thread, or by
-the first call that needs them, before it changes anything).
+statistics and read again after the store opened (``saved``, a `DeferredLoad`: on the
+writer thread, or by the first call that needs them, before it changes anything; saved
+rows with impossible values are skipped).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ...errors import ImpressError, StoreIOError
 from ...index.radix import Segment
-
-log = logging.getLogger(__name__)
+from ..saved import DeferredLoad
 
 
 @dataclass
@@ -52,36 +49,13 @@ class ImportanceStats:
         self._lock = threading.Lock()
         self._nodes: dict[int, NodeImportance] = {}
         self.dirty: set[int] = set()
-        #: reads the saved statistics (`defer`) until they are installed, and the lock held meanwhile
-        self._pending: Callable[[], dict[int, tuple[np.ndarray, float, int, float]]] | None = None
-        self._guard: Any = None
-
-    def defer(self, read: Callable[[], dict[int, tuple[np.ndarray, float, int, float]]], guard: Any) -> None:
-        """Install the saved statistics ``read()`` (as `load` takes them) at the first
-        call below that needs them, or at `load_pending`. ``guard`` (the catalog's lock)
-        is held around the read and taken before this object's lock (see
-        `NodeValues.defer_saved`)."""
-        self._pending, self._guard = read, guard
-
-    def load_pending(self) -> None:
-        """Install the deferred saved statistics now, if they are still to install."""
-        self._ensure()
+        #: the saved statistics (``read()`` gives them as `_install` takes them), read after
+        #: open by the first call below that needs them
+        self.saved = DeferredLoad("importance statistics", self._lock, self._install)
 
     def _ensure(self) -> None:
-        if self._pending is None:
-            return
-        with self._guard:
-            read = self._pending
-            if read is None:
-                return
-            try:  # (cleared only once installed: a caller that sees None finds them in place)
-                self.load(read())
-            except StoreIOError as exc:  # a failed read: tried again by the next call
-                log.warning("reading the saved importance statistics failed (%s); trying again later", exc)
-                return
-            except ImpressError as exc:  # advisory: never fails the caller
-                log.warning("the saved importance statistics are not usable (%s); starting without them", exc)
-            self._pending = None
+        """(Not under the lock.) The saved statistics first (`DeferredLoad.load`)."""
+        self.saved.load()
 
     def __len__(self) -> int:
         self._ensure()
@@ -201,14 +175,14 @@ class ImportanceStats:
                     out[node_id] = (e.scores, e.requests, e.pending)
             return out
 
-    def load(self, records: dict[int, tuple[np.ndarray, float, int, float]]) -> int:
-        """Install saved statistics (``saved_at`` wall-clock seconds: the time the store
-        was closed counts toward the decay)."""
+    def _install(self, records: dict[int, tuple[np.ndarray, float, int, float]]) -> int:
+        """(Under the lock, by ``saved``.) Install saved statistics (``saved_at``
+        wall-clock seconds: the time the store was closed counts toward the decay), each
+        a record of ``layers`` rows (`saved.possible_importance`)."""
         now, wall = self._clock(), time.time()
-        with self._lock:
-            for node_id, (scores, requests, pending, saved_at) in records.items():
-                if scores.shape[0] != self.layers:
-                    continue
-                at = now - max(0.0, wall - saved_at)
-                self._nodes[node_id] = NodeImportance(scores.astype(np.float16, copy=False), float(requests), int(pending), at)
+        for node_id, (scores, requests, pending, saved_at) in records.items():
+            if node_id in self._nodes:  # recorded since open (a read that failed first): newer
+                continue
+            at = now - max(0.0, wall - saved_at)
+            self._nodes[node_id] = NodeImportance(scores.astype(np.float16, copy=False), float(requests), int(pending), at)
         return len(records)
