@@ -297,7 +297,10 @@ def test_packed_nodes_and_node_table_against_tuples(values, data):
         _pack(1, _M48, 0, 0, 1)
     order = np.argsort(cols[0])
     nodes = [RadixNode.view(v[0], buf, v[2], v[4], v[1], v[3], None) for v in values]
-    table = _NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
+    if data.draw(st.booleans()):  # nodes in id order
+        table = _NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
+    else:  # nodes in the order they were built, found through the rows of the ids
+        table = _NodeTable({0: "root"}, cols[0][order], list(nodes), order.astype(np.uint32))
     ref = {0: "root", **{v[0]: n for v, n in zip(values, nodes)}}
     for _ in range(data.draw(st.integers(0, 20))):
         node_id = data.draw(st.sampled_from(sorted(ref)) | st.integers(0, 2**63))

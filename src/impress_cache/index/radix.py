@@ -262,20 +262,27 @@ class InsertPlan:
 
 
 class _NodeTable:
-    """Nodes by id: those the tree was loaded with as two columns (their ids, sorted, and
-    the nodes; a removed one leaves ``None``), those added since in a dict. No int
-    object and dict entry per loaded node."""
+    """Nodes by id: those the tree was loaded with as columns (their ids, sorted; the
+    nodes, in the order they were built, a removed one leaving ``None``; ``rows``: where
+    the node of each id is, ``None`` when the nodes are in id order), those added since
+    in a dict. No int object and dict entry per loaded node."""
 
-    __slots__ = ("_ids", "_objs", "_loaded", "_more")
+    __slots__ = ("_ids", "_objs", "_rows", "_loaded", "_more")
 
-    def __init__(self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None) -> None:
+    def __init__(
+        self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None,
+        rows: np.ndarray | None = None,
+    ) -> None:
         self._ids = np.zeros(0, np.int64) if ids is None else ids
         self._objs: list[RadixNode | None] = [] if objs is None else objs
+        self._rows = rows
         self._loaded = len(self._objs)
         self._more = more
 
     def _at(self, node_id: int) -> int:
-        return find_sorted(self._ids, node_id)
+        """The place in ``_objs`` of a loaded id, or -1."""
+        i = find_sorted(self._ids, node_id)
+        return i if i < 0 or self._rows is None else int(self._rows[i])
 
     def get(self, node_id: int) -> RadixNode | None:
         node = self._more.get(node_id)
@@ -312,8 +319,12 @@ class _NodeTable:
         yield from list(self._more.values())
 
     def max_id(self) -> int:
-        last = next((n for n in reversed(self._objs) if n is not None), None)  # (sorted by id)
-        return max([*([last.id] if last is not None else []), *self._more])
+        rows, objs = self._rows, self._objs
+        last = next(  # the largest loaded id still in the table
+            (int(self._ids[i]) for i in range(len(self._ids) - 1, -1, -1) if objs[i if rows is None else int(rows[i])] is not None),
+            None,
+        )
+        return max([*([last] if last is not None else []), *self._more])
 
 
 class RadixTree:
@@ -356,20 +367,25 @@ class RadixTree:
         ids = nodes[by_id, 0]
         if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
             raise ValueError(f"node id {int(ids[1:][ids[1:] == ids[:-1]][0])} is used twice")
-        rank = np.empty(len(ids), np.int64)
-        rank[by_id] = np.arange(len(ids))
-        ranks, terms = rank.tolist(), nodes[:, 5].tolist()
+        terms = nodes[:, 5].tolist()
         packed = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
-        ints: dict[int, int] = {}  # one int object per first token (the children's keys)
-        firsts = [ints.setdefault(t, t) for t in first_tok.tolist()]
-        # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf)
+        # one int object per distinct first token (the children's keys), handed out by numpy
+        distinct, which = np.unique(first_tok, return_inverse=True)
+        table = np.empty(len(distinct), object)
+        table[:] = distinct.tolist()
+        firsts = table[which.reshape(-1)].tolist()
+        del table, which
+        # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf). No Python
+        # int per node beyond what the nodes keep (the nodes stay in the order they are
+        # built, found by id through ``rows``): such temporaries would leave Python's
+        # small-object pools among the nodes' empty, and resident, when freed
         k = np.minimum(np.searchsorted(keys, nodes[:, 0]), max(0, len(keys) - 1))
         has = keys[k] == nodes[:, 0] if len(keys) else np.zeros(len(nodes), bool)
-        lo, hi = np.where(has, first[k], 0).tolist(), np.where(has, end[k], 0).tolist()
+        inner, lo, hi = has.tolist(), first[k], end[k]
         root = int(np.searchsorted(keys, 0)) if len(keys) else 0
-        objs: list[RadixNode | None] = [None] * len(ids)
+        by_row: list[RadixNode | None] = [None] * len(nodes)
         new, placed = RadixNode.__new__, 0
-        stack = [(tree.root, first[root], end[root])] if len(keys) and keys[root] == 0 else []
+        stack = [(tree.root, int(first[root]), int(end[root]))] if len(keys) and keys[root] == 0 else []
         while stack:  # parents before their children
             parent, a, b = stack.pop()
             kids = []
@@ -377,14 +393,16 @@ class RadixTree:
                 node = new(RadixNode)
                 node._key, node._buf, node.parent, node._kids, node.terminal = packed[j], buf, parent, None, terms[j]
                 kids.append(node)
-                objs[ranks[j]] = node
-                if lo[j] != hi[j]:
-                    stack.append((node, lo[j], hi[j]))
+                if inner[j]:
+                    stack.append((node, int(lo[j]), int(hi[j])))
+            by_row[a:b] = kids
             parent._kids = (*firsts[a:b], *kids)  # (`_Packed`: sorted by first token)
             placed += b - a
         if placed != len(ids):
             raise ValueError(f"{len(ids) - placed} node(s) have no parent")
-        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if len(ids) and ids[-1] < 1 << 32 else ids, objs)
+        small = len(ids) and ids[-1] < 1 << 32  # (ids and rows in four bytes while they fit)
+        rows = by_id.astype(np.uint32) if len(by_id) < 1 << 32 else by_id
+        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if small else ids, by_row, rows)
         return tree
 
     # -- queries ---------------------------------------------------------------------
