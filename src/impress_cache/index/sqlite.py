@@ -509,7 +509,7 @@ class Index:
                 (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
                 ids, data, k, block = scratch(n, np.int64), scratch((6, n), np.float64), 0, None
                 cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
-                while rows := cur.fetchmany(2048):
+                while rows := cur.fetchmany(256):  # (small: rows are Python objects; freed pools stay resident)
                     block = float_rows(rows)  # (a value that is not a number: NaN, skipped by the store)
                     ids[k : k + len(rows)], data[:, k : k + len(rows)] = block[:, 0], block[:, 1:].T
                     k += len(rows)
