@@ -242,6 +242,7 @@ def _summary(windows: list[dict]) -> dict:
         "write_prompts_per_s": statistics.median(w["write_prompts_per_s"] for w in windows),
         "write_prompts_per_s_windows": [w["write_prompts_per_s"] for w in windows],
         "cpu_ms_per_write": 1e3 * sum(w["cpu_s"] for w in windows) / sum(w["writes"] for w in windows),
+        "cpu_ms_per_write_windows": [1e3 * w["cpu_s"] / w["writes"] for w in windows],
         "requests": len(build),
         "construct_ms_p50": 1e3 * _pct(build, 50), "construct_ms_p99": 1e3 * _pct(build, 99),
         "generate_ms_p50": 1e3 * _pct(gen, 50),
