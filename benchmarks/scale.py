@@ -41,7 +41,10 @@ At each size:
   the constructor returns; ``ready_s``: until the work it leaves to the writer thread,
   the node statistics and the crash-leftover scan, is done, `flush`) and the growth of
   its resident set (VmRSS, measured after that work) per stored token (distinct tokens
-  in the index), without memory tiers; and the RSS with the default tiers, which also
+  in the index), without memory tiers (the run with the best ``open_s``, and the median
+  of the three: ``rss_bytes_per_token_median``; ``rss_parts``: the bytes of the token
+  buffer, the file table's other columns and the saved node statistics, read after the
+  measurement); and the RSS with the default tiers, which also
   hold the saved block statistics of the requests that ran (how many depends on how
   long the phases took);
 * **match**: `ImpressStore.match` of stored prompts plus 8 new tokens, p50/p99;
@@ -308,6 +311,15 @@ t2 = time.perf_counter(); gc.collect(); r1 = rss()
 tokens = sum(r.n_tokens for r in store._catalog.records.values())
 out = {"open_s": t1 - t0, "ready_s": t2 - t0, "rss_bytes": r1 - r0, "stored_tokens": tokens, "nodes": len(store.tree),
        "files": len(store._catalog.records)}
+# (after the measurement) what the largest arrays hold, in bytes; the rest of the RSS is
+# the tree's node objects, the interpreter's and the C heap's slack and code pages
+files, saved = store._catalog.records, store._values._saved
+out["rss_parts"] = {
+    "token_buffer": files.tokens.nbytes,
+    "file_columns": sum(a.nbytes for a in [*vars(files).values(), *files._ints.values()]
+                        if hasattr(a, "nbytes") and a is not files.tokens),
+    "node_statistics": saved.nbytes + store._values._saved_ids.nbytes + store._values._waiting.nbytes,
+}
 store.close()
 print(json.dumps(out))
 """
@@ -329,6 +341,7 @@ def open_cost(path: Path) -> dict:
     best["open_s_median"] = statistics.median(r["open_s"] for r in runs["bare"])
     best["ready_s_median"] = statistics.median(r["ready_s"] for r in runs["bare"])
     best["rss_bytes_per_token"] = best["rss_bytes"] / max(1, best["stored_tokens"])
+    best["rss_bytes_per_token_median"] = statistics.median(r["rss_bytes"] / max(1, r["stored_tokens"]) for r in runs["bare"])
     tiers = min(runs["tiers"], key=lambda r: r["rss_bytes"])
     best["rss_bytes_per_token_tiers"] = tiers["rss_bytes"] / max(1, tiers["stored_tokens"])
     return best

@@ -191,9 +191,10 @@ def test_damaged_rows_are_refused(tmp_path, damage):
 def test_memory_per_node_stays_small(tmp_path):
     """5,000 stored prompts of 80 tokens each (a shared part of 20, 60 of their own): the
     loaded tree and file table take under 8 bytes per stored token, as traced by
-    tracemalloc (this form: ~7.0, with packed nodes, a node table of columns and the
-    files' context digests kept once each; the one before it: ~9.5; before that, a
-    record object and a token array per file and a dict per node: ~20)."""
+    tracemalloc (this form: ~6.7, with packed nodes, a node table of columns, the
+    files' context digests kept once each and a node's loaded children in one tuple;
+    with a dict of children: ~6.9; the form before: ~9.5; before that, a record
+    object and a token array per file and a dict per node: ~20)."""
     index = Index(tmp_path / "index.sqlite")
     rng = np.random.default_rng(0)
     n, tokens = 5000, 0
@@ -296,7 +297,10 @@ def test_packed_nodes_and_node_table_against_tuples(values, data):
         _pack(1, _M48, 0, 0, 1)
     order = np.argsort(cols[0])
     nodes = [RadixNode.view(v[0], buf, v[2], v[4], v[1], v[3], None) for v in values]
-    table = _NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
+    if data.draw(st.booleans()):  # nodes in id order
+        table = _NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
+    else:  # nodes in the order they were built, found through the rows of the ids
+        table = _NodeTable({0: "root"}, cols[0][order], list(nodes), order.astype(np.uint32))
     ref = {0: "root", **{v[0]: n for v, n in zip(values, nodes)}}
     for _ in range(data.draw(st.integers(0, 20))):
         node_id = data.draw(st.sampled_from(sorted(ref)) | st.integers(0, 2**63))
@@ -311,6 +315,55 @@ def test_packed_nodes_and_node_table_against_tuples(values, data):
         assert sorted(map(id, table.values())) == sorted(map(id, ref.values()))
         if len(ref) > 1:
             assert table.max_id() == max(k for k in ref if k != 0 or len(ref) == 1)
+
+
+def test_loaded_children_are_one_sorted_tuple_until_they_change():
+    """A node loaded with children keeps them in one tuple (first tokens sorted, then the
+    children) that answers as the dict did; the first change gives it a dict."""
+    from impress_cache.index.radix import RadixTree
+
+    buf = np.array([5, 9, 3, 7, 1, 2], np.uint16)
+    # (id, parent, file, row, length, terminal): node 1 (token 5) has children 2..5,
+    # whose first tokens are 9, 3, 7, 1 in row order
+    rows = np.array([[1, 0, 0, 0, 1, 0], [2, 1, 0, 1, 1, 1], [3, 1, 0, 2, 1, 1], [4, 1, 0, 3, 1, 1], [5, 1, 0, 4, 2, 1]])
+    tree = RadixTree.from_columns(rows, rows[:, 3].copy(), buf)
+    top = tree.node(1)
+    assert type(top._kids) is tuple and tree.node(5)._kids is None
+    kids = top.children
+    assert list(kids) == [1, 3, 7, 9] and [n.id for n in kids.values()] == [5, 3, 4, 2] and len(kids) == 4
+    assert kids[7] is tree.node(4) and kids.get(8) is None and 3 in kids and 4 not in kids and "x" not in kids
+    assert dict(kids.items()) == {1: tree.node(5), 3: tree.node(3), 7: tree.node(4), 9: tree.node(2)}
+    assert [s.node.id for s in tree.match([5, 1, 2]).segments] == [1, 5] and tree.match([5, 4]).length == 1
+    # a change: a dict with the same children and the new one
+    tree.add_child(top, np.array([4], np.int32), 1, 0, node_id=6)
+    assert type(top._kids) is dict and sorted(top.children) == [1, 3, 4, 7, 9]
+    assert tree.match([5, 4]).length == 2
+    # removals down to none, starting from a tuple again
+    tree = RadixTree.from_columns(rows, rows[:, 3].copy(), buf)
+    for node_id in (2, 3, 4, 5):
+        tree.remove(tree.node(node_id))
+    assert tree.node(1).is_leaf() and tree.node(1)._kids is None and tree.match([5, 9]).length == 1
+    # a split of a node loaded with children hands the tuple on to the lower half
+    tree = RadixTree.from_columns(np.array([[1, 0, 0, 0, 2, 0], [2, 1, 0, 2, 1, 1]]), np.array([0, 2]), buf)
+    upper, lower = tree.split(tree.node(1), 1, 10, 11)
+    assert lower.children[3] is tree.node(2) and tree.node(2).parent is lower and tree.match([5, 9, 3]).length == 3
+    # two children with one first token: the index is damaged
+    with pytest.raises(ValueError, match="cannot be placed"):
+        RadixTree.from_columns(np.array([[1, 0, 0, 0, 1, 0], [2, 0, 0, 0, 1, 0]]), np.array([0, 0]), buf)
+
+
+def test_listing_is_matched_on_whole_names_with_shared_leading_bytes_and_zeros(tmp_path):
+    """`FileTable.unlisted` compares all 16 bytes of a name: names that share their first
+    eight bytes, or differ only in zero bytes at the end, are told apart."""
+    index = Index(tmp_path / "index.sqlite")
+    stems = ["0" * 32, "0" * 30 + "01", "ab" * 8 + "0" * 16, "ab" * 8 + "0" * 15 + "1", "ab" * 8 + "f" * 16]
+    with index.transaction() as conn:
+        for k, stem in enumerate(stems[:4]):
+            index.add_node(conn, 0, index.add_file(conn, new_file((k + 1, 9), 0, name=stem + ".safetensors")), 0, 2, 1)
+    _, files = index.load_tree()
+    listing = [s + ".safetensors" for s in stems] + ["0" * 28 + "0100.safetensors", stems[0] + ".h5"]
+    assert files.unlisted([listing], ("safetensors", "h5")) == listing[4:]
+    index.close()
 
 
 @settings(max_examples=60, deadline=None)

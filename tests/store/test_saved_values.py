@@ -113,3 +113,51 @@ def test_saved_importance_is_read_after_open_and_before_a_request_adds_to_it(tmp
     finally:
         go.set()
         store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "score"])
+def test_saved_values_kept_packed_answer_as_the_full_columns_do(tmp_path, monkeypatch, policy):
+    """The saved statistics wait as `PackedColumns` (narrow columns, the same values):
+    the keys, the eviction order and the records made from them are those of the
+    ``float64`` columns they were read as."""
+    import threading
+
+    import numpy as np
+
+    import impress_cache.store.values as values
+    from impress_cache.index.columns import PackedColumns
+    from impress_cache.store.persist import rebase_columns
+    from impress_cache.tiers.policies import make_policy
+
+    clock = Clock()
+    with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
+        for toks in _prompts():
+            put(store, toks)
+            clock.t += 1.0
+        ids = sorted(n.id for n in store.tree.nodes())
+        for k, node_id in enumerate(ids[::2] * 2):
+            store._values.access([node_id], share=0.25 + 0.1 * (k % 5))
+            clock.t += 0.5
+        leaves = [n.id for n in store.tree.nodes() if n.is_leaf()]
+    with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
+        read = store.index.load_node_stats()  # (as saved at the close)
+        saved_ids, cols = np.array(read[0]), rebase_columns(np.array(read[1]), clock())  # (once for both)
+    assert len(saved_ids) == len(ids)
+
+    def opened(pack: bool) -> values.NodeValues:
+        monkeypatch.setattr(values, "PackedColumns", PackedColumns if pack else np.asarray)
+        nv = values.NodeValues(make_policy(policy), clock)
+        nv.saved.defer(lambda: (saved_ids.copy(), cols.copy()), threading.RLock())
+        nv.saved.load()
+        return nv
+
+    packed, full = opened(True), opened(False)
+    assert isinstance(packed._saved, PackedColumns) and packed._saved.nbytes < cols.nbytes
+    assert isinstance(full._saved, np.ndarray)
+    for nv in (packed, full):
+        nv.reset_order(leaves, start=True)
+    assert [packed.pop() for _ in leaves] == [full.pop() for _ in leaves]
+    assert {i: packed.sort_key(i) for i in ids} == {i: full.sort_key(i) for i in ids}
+    assert packed.export() == full.export()
+    packed.access(ids[:2]), full.access(ids[:2])
+    assert packed.export() == full.export()

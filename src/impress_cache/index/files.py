@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .columns import scratch
+
 #: names the store gives its chunk files, kept as 16 bytes plus a suffix code
 _NAME = re.compile(r"([0-9a-f]{32})\.([a-z0-9]{1,16})")
 _SUFFIX = re.compile(r"[a-z0-9]{1,16}")
@@ -161,25 +163,22 @@ def find_sorted(column: np.ndarray, value: int) -> int:
 
 
 class _Sorted:
-    """A set of 16-byte keys (``uint8 [n, 16]``) for vectorised lookups: sorted by their
-    first eight bytes (a binary search), then compared on the other eight."""
+    """A set of 16-byte keys (``uint8 [n, 16]``) for vectorised lookups: one sorted copy
+    of them as 16-byte strings (compared as whole bytes), searched. The copy is sorted
+    in place in a `scratch` array: the scan runs on the writer thread, whose heap would
+    keep the pages of an index array and of the copy resident after it."""
 
     def __init__(self, keys: np.ndarray) -> None:
-        self.keys = np.ascontiguousarray(keys)
-        k = self.keys.view("<u8").reshape(-1, 2)
-        order = np.argsort(k[:, 0])
-        self.hi, self.lo = k[order, 0], k[order, 1]
-        #: two keys share their first eight bytes: compared whole instead
-        self.clash = bool((self.hi[1:] == self.hi[:-1]).any())
+        self.keys = scratch(len(keys), "S16")
+        self.keys[:] = np.ascontiguousarray(keys).view("S16").reshape(-1)
+        self.keys.sort()
 
     def has(self, queries: np.ndarray) -> np.ndarray:
-        if not len(self.hi) or not len(queries):
+        if not len(self.keys) or not len(queries):
             return np.zeros(len(queries), bool)
-        if self.clash:
-            return np.isin(np.ascontiguousarray(queries).view("S16").ravel(), self.keys.view("S16").ravel())
-        q = np.ascontiguousarray(queries).view("<u8").reshape(-1, 2)
-        i = np.minimum(np.searchsorted(self.hi, q[:, 0]), len(self.hi) - 1)
-        return (self.hi[i] == q[:, 0]) & (self.lo[i] == q[:, 1])
+        q = np.ascontiguousarray(queries).view("S16").reshape(-1)
+        i = np.minimum(np.searchsorted(self.keys, q), len(self.keys) - 1)
+        return self.keys[i] == q
 
 
 class FileTable:
@@ -411,13 +410,10 @@ class FileTable:
         digits, a dot and its suffix, one of ``suffixes``): usually none. Records added
         since the load and odd names are never matched. Vectorised: no string per file
         is made, and a batch's names are dropped before the next is listed."""
-        rows = np.flatnonzero(self._alive)
+        listed = self._alive.copy()
         if self._odd:
-            rows = rows[~np.isin(self._ids[rows], np.fromiter(self._odd, np.int64, len(self._odd)))]
-        known = {
-            w: _Sorted(self._uuid[rows[self._suffix[rows] == self._words.index(w)]])
-            for w in suffixes if w in self._words
-        }
+            listed &= ~np.isin(self._ids, np.fromiter(self._odd, np.int64, len(self._odd)))
+        known = {w: _Sorted(self._uuids_where(listed & (self._suffix == self._words.index(w)))) for w in suffixes if w in self._words}
         out: list[str] = []
         for names in batches:
             lengths = np.fromiter(map(len, names), np.int64, len(names))
@@ -439,6 +435,16 @@ class FileTable:
                 ok &= table.has((nibbles[:, 0::2] << 4 | nibbles[:, 1::2]).astype(np.uint8))
                 matched[at[ok]] = True
             out += [names[i] for i in np.flatnonzero(~matched).tolist()]
+        return out
+
+    def _uuids_where(self, mask: np.ndarray) -> np.ndarray:
+        """The 16-byte names of the rows ``mask`` selects: the column itself when it
+        selects every row, else a copy in a `scratch` array."""
+        if mask.all():
+            return self._uuid
+        rows = np.flatnonzero(mask)
+        out = scratch((len(rows), 16), np.uint8)
+        np.take(self._uuid, rows, axis=0, out=out)
         return out
 
     def odd_names(self) -> set[str]:

@@ -16,9 +16,11 @@ has committed them (`apply`), with the ids the index gave the new nodes.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +42,59 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 _NO_CHILDREN: Mapping[int, RadixNode] = MappingProxyType({})
 
 
+class _Packed(Mapping):
+    """The children a node was loaded with, read-only: ``kids`` is one tuple of their
+    first tokens, sorted, then the children in the same order (a tuple of ``2m``
+    items instead of a dict: a third of the memory for a node with a thousand
+    children, and of a small dict's). The node gets a dict when its children change."""
+
+    __slots__ = ("kids",)
+
+    def __init__(self, kids: tuple) -> None:
+        self.kids = kids
+
+    def get(self, token: int, default: Any = None) -> Any:
+        child = _packed_child(self.kids, token)
+        return default if child is None else child
+
+    def __getitem__(self, token: int) -> RadixNode:
+        child = _packed_child(self.kids, token)
+        if child is None:
+            raise KeyError(token)
+        return child
+
+    def __contains__(self, token: object) -> bool:
+        try:
+            return _packed_child(self.kids, token) is not None  # type: ignore[arg-type]
+        except TypeError:  # (not a token)
+            return False
+
+    def __len__(self) -> int:
+        return len(self.kids) >> 1
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.kids[: len(self.kids) >> 1])
+
+    def values(self) -> Any:
+        return self.kids[len(self.kids) >> 1 :]
+
+
+def _packed_child(kids: tuple, token: int) -> RadixNode | None:
+    m = len(kids) >> 1
+    i = bisect.bisect_left(kids, token, 0, m)
+    return kids[m + i] if i < m and kids[i] == token else None
+
+
+def _child(node: RadixNode, token: int) -> RadixNode | None:
+    """The child of ``node`` whose tokens start with ``token``, if any."""
+    kids = node._kids
+    if kids is None:
+        return None
+    if type(kids) is dict:
+        return kids.get(token)
+    return _packed_child(kids, token)
+
+
 _M32, _M48 = (1 << 32) - 1, (1 << 48) - 1
 
 
@@ -57,7 +112,8 @@ class RadixNode:
     Compact: the tokens are ``length`` ids from an offset on in a shared array
     (``tokens`` is a view made when asked for); the id, file, first row, offset and
     length are packed in one int (`_pack`: one object instead of five); a leaf has no
-    children dict of its own. ``parent`` and ``terminal`` change with the tree.
+    children dict of its own, and a node loaded with children keeps them in one tuple
+    (`_Packed`) until they change. ``parent`` and ``terminal`` change with the tree.
     """
 
     __slots__ = ("_key", "_buf", "parent", "_kids", "terminal")
@@ -68,7 +124,7 @@ class RadixNode:
         self._key = _pack(node_id, file_id, 0, file_row, len(tokens))
         self._buf = tokens
         self.parent = parent
-        self._kids: dict[int, RadixNode] | None = None
+        self._kids: dict[int, RadixNode] | tuple | None = None
         #: number of stored sequences that end exactly at this node
         self.terminal = terminal
 
@@ -115,16 +171,19 @@ class RadixNode:
     def children(self) -> Mapping[int, RadixNode]:
         """Children by their first token (change them through `RadixTree` only)."""
         kids = self._kids
-        return _NO_CHILDREN if kids is None else kids
+        if kids is None:
+            return _NO_CHILDREN
+        return kids if type(kids) is dict else _Packed(kids)
 
     @children.setter
     def children(self, value: Mapping[int, RadixNode]) -> None:
-        self._kids = dict(value) if value else None
+        self._kids = value.kids if isinstance(value, _Packed) else dict(value) if value else None
 
     def _own_children(self) -> dict[int, RadixNode]:
-        if self._kids is None:
-            self._kids = {}
-        return self._kids
+        kids = self._kids
+        if type(kids) is not dict:
+            kids = self._kids = {} if kids is None else dict(zip(kids[: len(kids) >> 1], kids[len(kids) >> 1 :]))
+        return kids
 
     @property
     def length(self) -> int:
@@ -203,20 +262,27 @@ class InsertPlan:
 
 
 class _NodeTable:
-    """Nodes by id: those the tree was loaded with as two columns (their ids, sorted, and
-    the nodes; a removed one leaves ``None``), those added since in a dict. No int
-    object and dict entry per loaded node."""
+    """Nodes by id: those the tree was loaded with as columns (their ids, sorted; the
+    nodes, in the order they were built, a removed one leaving ``None``; ``rows``: where
+    the node of each id is, ``None`` when the nodes are in id order), those added since
+    in a dict. No int object and dict entry per loaded node."""
 
-    __slots__ = ("_ids", "_objs", "_loaded", "_more")
+    __slots__ = ("_ids", "_objs", "_rows", "_loaded", "_more")
 
-    def __init__(self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None) -> None:
+    def __init__(
+        self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None,
+        rows: np.ndarray | None = None,
+    ) -> None:
         self._ids = np.zeros(0, np.int64) if ids is None else ids
         self._objs: list[RadixNode | None] = [] if objs is None else objs
+        self._rows = rows
         self._loaded = len(self._objs)
         self._more = more
 
     def _at(self, node_id: int) -> int:
-        return find_sorted(self._ids, node_id)
+        """The place in ``_objs`` of a loaded id, or -1."""
+        i = find_sorted(self._ids, node_id)
+        return i if i < 0 or self._rows is None else int(self._rows[i])
 
     def get(self, node_id: int) -> RadixNode | None:
         node = self._more.get(node_id)
@@ -253,8 +319,12 @@ class _NodeTable:
         yield from list(self._more.values())
 
     def max_id(self) -> int:
-        last = next((n for n in reversed(self._objs) if n is not None), None)  # (sorted by id)
-        return max([*([last.id] if last is not None else []), *self._more])
+        rows, objs = self._rows, self._objs
+        last = next(  # the largest loaded id still in the table
+            (int(self._ids[i]) for i in range(len(self._ids) - 1, -1, -1) if objs[i if rows is None else int(rows[i])] is not None),
+            None,
+        )
+        return max([*([last] if last is not None else []), *self._more])
 
 
 class RadixTree:
@@ -272,9 +342,19 @@ class RadixTree:
         token). Time proportional to the number of nodes: the nodes are built here,
         without per-node calls."""
         tree = cls()
-        order = np.argsort(nodes[:, 1], kind="stable")  # children grouped by parent
-        nodes, offsets = nodes[order], offsets[order]
+        first_tok = buf[np.minimum(offsets, max(0, len(buf) - 1))] if len(buf) else np.zeros(len(nodes), np.int64)
+        # children grouped by parent, by first token (one key of both while the parents
+        # fit in 31 bits: a sort of one column)
+        if len(nodes) and 0 <= nodes[:, 1].min() and nodes[:, 1].max() < 1 << 31:
+            order = np.argsort((nodes[:, 1] << 32) | (first_tok.astype(np.int64) + (1 << 31)))
+        else:
+            order = np.lexsort((first_tok, nodes[:, 1]))
+        nodes, offsets, first_tok = nodes[order], offsets[order], first_tok[order]
         parents = nodes[:, 1]
+        twice = np.flatnonzero((parents[1:] == parents[:-1]) & (first_tok[1:] == first_tok[:-1]))
+        if len(twice):
+            j = int(twice[0]) + 1
+            raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {int(parents[j])}")
         keys, first = np.unique(parents, return_index=True)
         end = np.append(first[1:], len(parents))
         if len(nodes) and (
@@ -287,36 +367,42 @@ class RadixTree:
         ids = nodes[by_id, 0]
         if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
             raise ValueError(f"node id {int(ids[1:][ids[1:] == ids[:-1]][0])} is used twice")
-        rank = np.empty(len(ids), np.int64)
-        rank[by_id] = np.arange(len(ids))
-        ranks, terms = rank.tolist(), nodes[:, 5].tolist()
+        terms = nodes[:, 5].tolist()
         packed = _packed(nodes[:, 0], nodes[:, 2], offsets, nodes[:, 3], nodes[:, 4])
-        ints: dict[int, int] = {}  # one int object per first token (the children's keys)
-        firsts = [ints.setdefault(t, t) for t in buf[np.minimum(offsets, max(0, len(buf) - 1))].tolist()]
-        # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf)
+        # one int object per distinct first token (the children's keys), handed out by numpy
+        distinct, which = np.unique(first_tok, return_inverse=True)
+        table = np.empty(len(distinct), object)
+        table[:] = distinct.tolist()
+        firsts = table[which.reshape(-1)].tolist()
+        del table, which
+        # each node's children: rows lo[j] .. hi[j] (an empty run for a leaf). No Python
+        # int per node beyond what the nodes keep (the nodes stay in the order they are
+        # built, found by id through ``rows``): such temporaries would leave Python's
+        # small-object pools among the nodes' empty, and resident, when freed
         k = np.minimum(np.searchsorted(keys, nodes[:, 0]), max(0, len(keys) - 1))
         has = keys[k] == nodes[:, 0] if len(keys) else np.zeros(len(nodes), bool)
-        lo, hi = np.where(has, first[k], 0).tolist(), np.where(has, end[k], 0).tolist()
+        inner, lo, hi = has.tolist(), first[k], end[k]
         root = int(np.searchsorted(keys, 0)) if len(keys) else 0
-        objs: list[RadixNode | None] = [None] * len(ids)
+        by_row: list[RadixNode | None] = [None] * len(nodes)
         new, placed = RadixNode.__new__, 0
-        stack = [(tree.root, first[root], end[root])] if len(keys) and keys[root] == 0 else []
+        stack = [(tree.root, int(first[root]), int(end[root]))] if len(keys) and keys[root] == 0 else []
         while stack:  # parents before their children
             parent, a, b = stack.pop()
-            kids = parent._own_children()
+            kids = []
             for j in range(a, b):
-                tok = firsts[j]
-                if tok in kids:
-                    raise ValueError(f"node {int(nodes[j, 0])} cannot be placed below node {parent.id}")
                 node = new(RadixNode)
                 node._key, node._buf, node.parent, node._kids, node.terminal = packed[j], buf, parent, None, terms[j]
-                kids[tok] = objs[ranks[j]] = node
-                if lo[j] != hi[j]:
-                    stack.append((node, lo[j], hi[j]))
-                placed += 1
+                kids.append(node)
+                if inner[j]:
+                    stack.append((node, int(lo[j]), int(hi[j])))
+            by_row[a:b] = kids
+            parent._kids = (*firsts[a:b], *kids)  # (`_Packed`: sorted by first token)
+            placed += b - a
         if placed != len(ids):
             raise ValueError(f"{len(ids) - placed} node(s) have no parent")
-        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if len(ids) and ids[-1] < 1 << 32 else ids, objs)
+        small = len(ids) and ids[-1] < 1 << 32  # (ids and rows in four bytes while they fit)
+        rows = by_id.astype(np.uint32) if len(by_id) < 1 << 32 else by_id
+        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if small else ids, by_row, rows)
         return tree
 
     # -- queries ---------------------------------------------------------------------
@@ -348,7 +434,7 @@ class RadixTree:
         segments: list[Segment] = []
         node, pos = self.root, 0
         while pos < limit:
-            child = node.children.get(int(arr[pos]))
+            child = _child(node, int(arr[pos]))
             if child is None:
                 break
             n = _common_length(child.tokens, arr[pos:limit])
@@ -468,8 +554,9 @@ class RadixTree:
             raise ValueError(f"node {node.id} has children; remove them first")
         parent = node.parent
         assert parent is not None and parent._kids is not None
-        del parent._kids[int(node._buf[node._off])]
-        if not parent._kids:
+        kids = parent._own_children()
+        del kids[int(node._buf[node._off])]
+        if not kids:
             parent._kids = None
         del self._nodes[node.id]
 

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ReadOnlyStoreError, StoreFormatError
 from .guard import _MALFORMED, _check_regular, _guarded, float_rows, index_error, is_damage
 from ..storage.base import BlockKey, create_file, disk_bytes
+from .columns import scratch
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .radix import RadixTree
 
@@ -500,22 +501,22 @@ class Index:
     def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Saved per-node statistics (a node's go with it: trigger ``node_removed``), as
         columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
-        freq, share, age_s, seq, saved_at`` (wall-clock seconds). Rows are copied into
-        arrays sized up front, a chunk at a time (little transient memory)."""
+        freq, share, age_s, seq, saved_at`` (wall-clock seconds), copied a chunk at a time
+        into `scratch` arrays sized up front (unmapped once the caller drops them)."""
         # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
         with self._lock, gc_paused():
             with _snapshot(self._conn):
                 (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
-                ids, data, k, block = np.empty(n, np.int64), np.empty((n, 6), np.float64), 0, None
+                ids, data, k, block = scratch(n, np.int64), scratch((6, n), np.float64), 0, None
                 cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
-                while rows := cur.fetchmany(2048):
+                while rows := cur.fetchmany(256):  # (small: rows are Python objects; freed pools stay resident)
                     block = float_rows(rows)  # (a value that is not a number: NaN, skipped by the store)
-                    ids[k : k + len(rows)], data[k : k + len(rows)] = block[:, 0], block[:, 1:]
+                    ids[k : k + len(rows)], data[:, k : k + len(rows)] = block[:, 0], block[:, 1:].T
                     k += len(rows)
             self._conn.execute("PRAGMA shrink_memory")
         del rows, block
         release_free_heap()
-        return ids, data
+        return ids, data.T
 
 
 #: the methods that decode values read back (where a malformed value means damage)

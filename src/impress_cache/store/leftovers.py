@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 QUARANTINE_DIR = "quarantine"
 #: suffixes of `FILE_NAME` (an indexed name of 32 hex digits, a dot and one of these is one)
 _SUFFIXES = (".safetensors", ".h5")
-#: names listed and compared at a time (the listing's memory stays small)
-_LIST_BATCH = 4096
+#: names listed and compared at a time (the listing's memory stays small: its strings are
+#: Python objects, and Python keeps the pages of their freed pools)
+_LIST_BATCH = 1024
 
 
 def move_aside(catalog: Catalog, name: str, file_mode: int) -> None:

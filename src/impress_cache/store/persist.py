@@ -166,10 +166,10 @@ class StatsKeeper:
 
         busy = self._index.in_transaction
         self._nodes.saved.defer(read_node_stats, self._guard, busy)
-        self._background(self._nodes.saved.load)
+        self._background(_then_release(self._nodes.saved.load))
         if self._importance is not None:  # (likewise deferred: a row of float16 scores per node)
             self._importance.saved.defer(read_importance, self._guard, busy)
-            self._background(self._importance.saved.load)
+            self._background(_then_release(self._importance.saved.load))
         # memory tiers without a budget look nothing up and record nothing: their
         # statistics stay in the index (a later save writes only what the tiers know)
         rows = self._index.load_block_stats() if self._tiers.enabled else []
@@ -179,3 +179,13 @@ class StatsKeeper:
         del rows, records
         release_free_heap()  # the temporaries of the loads
         return loaded
+
+
+def _then_release(job: Callable[[], Any]) -> Callable[[], None]:
+    """``job``, then the C heap's free memory given back: a deferred load's temporaries
+    (the rows as read, the full-width columns) are freed on the writer thread, whose
+    heap keeps their pages resident otherwise."""
+    def run() -> None:
+        job()
+        release_free_heap()
+    return run

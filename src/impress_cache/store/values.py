@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..index.columns import PackedColumns
 from ..index.files import find_sorted
 from ..tiers.policies.base import EvictionPolicy
 from .saved import DeferredLoad
@@ -76,7 +77,7 @@ class NodeValues:
         policy fields (`persist.rebase_columns`), every row possible (`saved.possible_rows`)."""
         # (ids in four bytes while they fit: searched, never changed)
         self._saved_ids = ids.astype(np.uint32) if len(ids) and ids[0] >= 0 and ids[-1] < 1 << 32 else ids
-        self._saved = cols
+        self._saved = PackedColumns(cols)  # (the same values in fewer bytes: most columns are small ints or few values)
         self._waiting = np.ones(len(ids), bool)
         if len(ids):  # the newest one now: later accesses count as more recent than all
             self._take(int(ids[int(np.argmax(cols[:, 3]))]))
