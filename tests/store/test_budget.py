@@ -121,3 +121,26 @@ def test_budget_holds_under_concurrent_writers_and_readers(tmp_path):
         assert removed["removed_files"] > 0 and (grace - left) and not (indexed - grace) & left
         assert store.disk_bytes() <= base + 3 * prefix
     assert du(tmp_path) <= base + 3 * prefix
+
+
+def test_drain_does_not_wait_for_files_to_gather(monkeypatch):
+    """A file handed to the unlink thread while it sleeps (fewer than `BATCH_WAKE` wait)
+    is deleted as soon as `drain` wakes the thread: the thread does not then wait for more
+    to gather. With both waits an hour long, the old behaviour (a gathering wait after
+    the drain's wake-up, so every flush at the budget took one drain poll) never ends."""
+    from impress_cache.store import leases
+
+    monkeypatch.setattr(leases, "UNLINK_EVERY_S", 3600.0)
+    monkeypatch.setattr(leases, "DRAIN_POLL_S", 3600.0)
+    gone: list[str] = []
+    unlinker = leases.Unlinker(gone.append)
+    try:
+        for name in ("a", "b"):  # the second arrives while the thread sleeps, idle
+            unlinker(name)
+            done = threading.Thread(target=unlinker.drain, daemon=True)
+            done.start()
+            done.join(60)
+            assert not done.is_alive(), f"drain waited for more files to gather before deleting {name!r}"
+        assert gone == ["a", "b"]
+    finally:
+        unlinker.close()

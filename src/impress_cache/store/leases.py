@@ -33,6 +33,8 @@ MATCH_GRACE_S = 5.0
 #: many wake it at once
 UNLINK_EVERY_S = 0.05
 BATCH_WAKE = 32
+#: how often `Unlinker.drain` wakes the thread again while it waits
+DRAIN_POLL_S = 0.05
 
 #: what protects a file from the disk budget (`LeaseTable.protection`)
 FREE, GRACE, LEASED = 0, 1, 2
@@ -82,7 +84,8 @@ class Unlinker:
     `UNLINK_EVERY_S` seconds (or at once when `BATCH_WAKE` names wait), so a write at
     the disk budget does not wake it (and wait for the interpreter lock it takes) for
     every file. `drain` waits until every file handed over is gone (`ImpressStore.flush`)
-    and raises the first failure since the last drain."""
+    and raises the first failure since the last drain; while a caller drains, the thread
+    deletes what it has at once instead of waiting for more to gather."""
 
     def __init__(self, unlink: Callable[[str], None]) -> None:
         self._unlink = unlink
@@ -90,6 +93,8 @@ class Unlinker:
         self._names: list[str] = []
         self._busy = False
         self._closed = False
+        #: callers of `drain` waiting: the thread does not wait for more names to gather
+        self._draining = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -112,7 +117,7 @@ class Unlinker:
                     self._cv.wait()
                 if not self._names and self._closed:
                     return
-                if not self._closed and len(self._names) < BATCH_WAKE:
+                if not (self._closed or self._draining) and len(self._names) < BATCH_WAKE:
                     self._cv.wait(UNLINK_EVERY_S)  # let a few gather (drain and close wake it)
                 names, self._names = self._names, []
                 self._busy = True
@@ -128,9 +133,13 @@ class Unlinker:
 
     def drain(self) -> None:
         with self._cv:
-            while self._names or self._busy:
-                self._cv.notify_all()
-                self._cv.wait(0.05)
+            self._draining += 1
+            try:
+                while self._names or self._busy:
+                    self._cv.notify_all()
+                    self._cv.wait(DRAIN_POLL_S)
+            finally:
+                self._draining -= 1
             error, self._error = self._error, None
         if error is not None:
             raise error
