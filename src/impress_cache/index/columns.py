@@ -9,8 +9,8 @@ array it was made from.
 
 `scratch` gives a large temporary array its own memory mapping, so that its pages go
 back to the system when it is freed: a thread's C heap keeps the pages of freed
-temporaries at its top resident (``malloc_trim`` does not trim the heaps of threads
-other than the main one).
+temporaries at its top resident (``malloc_trim`` releases free pages inside every
+arena, but shrinks only the top of the main thread's heap).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def scratch(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     size = int(np.prod(shape)) * dtype.itemsize
     if size == 0:
         return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, size), dtype).reshape(shape)
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # (not shared with a forked child)
+    return np.frombuffer(mmap.mmap(-1, size, **private), dtype).reshape(shape)
 
 
 def _index_type(n: int) -> type:
@@ -65,7 +66,7 @@ def _pack(col: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     if len(col) > 1 and np.dtype(t).itemsize > 1:
         bits = scratch(len(col), np.int64)
         bits[:] = col.view(np.int64) if col.flags.c_contiguous else np.ascontiguousarray(col).view(np.int64)
-        bits.sort(kind="stable")  # (a stable sort, as the tree's load uses: no other sort's code paged in)
+        bits.sort(kind="stable")
         distinct = bits[np.concatenate(([True], bits[1:] != bits[:-1]))]
         del bits
         it = _index_type(len(distinct))

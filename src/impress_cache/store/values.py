@@ -217,11 +217,12 @@ class NodeValues:
             ids = np.fromiter(self._queued, np.int64, len(self._queued))
             heap: list[tuple[tuple[float, int], int]] = []
             saved, rows = self._waiting_rows(ids)
-            keys = self._policy.sort_keys(self._saved[rows]) if len(rows) else None
+            cols = self._saved[rows] if len(rows) else None
+            keys = self._policy.sort_keys(cols) if cols is not None else None
             if keys is None:  # a policy without a column form: its rows loaded one by one
                 saved[:] = False
             else:  # saved rows keyed as columns; their records are made when popped (`_take`)
-                seqs = self._saved[rows, 3].astype(np.int64).tolist()
+                seqs = cols[:, 3].astype(np.int64).tolist()
                 heap = list(zip(zip(keys, seqs), ids[saved].tolist()))
             heap += [(self._sort_key(n, now), n) for n in ids[~saved].tolist()]
             heapq.heapify(heap)
