@@ -21,18 +21,24 @@ def _prompts() -> list[list[int]]:
     return [[5, 6, 7, 8] + [20 + i, 30 + i, 40 + i, 50 + i] for i in range(6)] + [[9, 9, 9, 1, 2]]
 
 
+def _used(store: ImpressStore, clock: Clock) -> list[int]:
+    """Store `_prompts` and access some nodes twice, with shares; returns the node ids."""
+    for toks in _prompts():
+        put(store, toks)
+        clock.t += 1.0
+    ids = sorted(n.id for n in store.tree.nodes())
+    for k, node_id in enumerate(ids[::2] * 2):
+        store._values.access([node_id], share=0.25 + 0.1 * (k % 5))
+        clock.t += 0.5
+    return ids
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "score"])
 @pytest.mark.parametrize("install", ["one_by_one", "at_once"])
 def test_saved_node_values_come_back(tmp_path, policy, install):
     clock = Clock()
     with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
-        for toks in _prompts():
-            put(store, toks)
-            clock.t += 1.0
-        ids = sorted(n.id for n in store.tree.nodes())
-        for k, node_id in enumerate(ids[::2] * 2):  # accesses: some nodes twice, with shares
-            store._values.access([node_id], share=0.25 + 0.1 * (k % 5))
-            clock.t += 0.5
+        ids = _used(store, clock)
         before = {i: store._values.sort_key(i) for i in ids}
     clock.t += 10.0  # closed meanwhile: every node equally older, the order stays
     with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
@@ -131,13 +137,7 @@ def test_saved_values_kept_packed_answer_as_the_full_columns_do(tmp_path, monkey
 
     clock = Clock()
     with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
-        for toks in _prompts():
-            put(store, toks)
-            clock.t += 1.0
-        ids = sorted(n.id for n in store.tree.nodes())
-        for k, node_id in enumerate(ids[::2] * 2):
-            store._values.access([node_id], share=0.25 + 0.1 * (k % 5))
-            clock.t += 0.5
+        ids = _used(store, clock)
         leaves = [n.id for n in store.tree.nodes() if n.is_leaf()]
     with ImpressStore(tmp_path, _model(), cfg(policy=policy), clock=clock) as store:
         read = store.index.load_node_stats()  # (as saved at the close)
