@@ -7,8 +7,11 @@ per write by table.
 
 Writes run on the calling thread (`PromptWriter.write`, the removals and the check after
 it included; no requests meanwhile), in windows of ``--writes`` below and at the budget,
-alternating, after one unmeasured window at the budget (the eviction heap's start).
-Parts are timed with the thread's CPU clock around the store's own methods; the WAL is
+in pairs (at, at, below, below, at, ...), after one unmeasured window at the budget (the
+eviction heap's start); each window ends by waiting for the evicted files' deletion.
+CPU per write is the calling thread's and the deleting thread's (``/proc``). Parts are
+timed with the thread's CPU clock around the store's own methods (they nest: the
+write's transaction includes the removals and the forgetting); the WAL is
 checkpointed empty before each window and its frames after it are mapped to their tables
 through the ``dbstat`` table (a window in which SQLite checkpointed is left out of the
 page counts). The store grows by the windows' prompts; the
@@ -47,7 +50,7 @@ PARTS = [
     (catalog_mod.Catalog, "drop_file_if_unreferenced", "  file removals (statement, file table)"),
     (gc_mod.Removal, "settle", "forgetting the removed (tiers, statistics)"),
     (gc_mod.StoreGC, "enforce", "the check after the write"),
-    (catalog_mod.Catalog, "commit_prompt", "the write's index transaction and tree update"),
+    (catalog_mod.Catalog, "commit_prompt", "the write's index transaction and tree update (the removals and the forgetting included)"),
 ]
 
 
@@ -63,6 +66,16 @@ def _timed(acc: dict, mode: list[str]) -> None:
                 acc[(mode[0], _name)] += time.thread_time() - t0
 
         setattr(cls, method, wrapper)
+
+
+#: the part the thread that deletes evicted files takes
+UNLINK = "deleting the removed files (their own thread)"
+
+
+def _unlink_cpu(unlinker: Any) -> float:
+    """CPU seconds of the thread that deletes evicted files so far (0 before it starts)."""
+    thread = unlinker._thread
+    return scale._thread_cpu_s(thread.native_id) if thread is not None and thread.native_id else 0.0
 
 
 def _wal_pages(index: Index) -> collections.Counter:
@@ -97,11 +110,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in range(2 * args.windows + 1):
             mode[0] = "warm" if w == 0 else ("below", "at")[(w + (w // 2) % 2) % 2]
             at = mode[0] != "below"
-            room = wal_bound(store.disk_bytes())
-            store._gc._trim_wal(room)
-            store.config.disk_bytes = store._gc._used(room) if at else None
             index.checkpoint()  # (an empty WAL: a window's frames are its writes')
+            store._catalog.remeasure()  # (the checkpoint grew the index file)
+            store.config.disk_bytes = store._gc._used(wal_bound(store.disk_bytes())) if at else None
             before, sizes = store.stats()["prefixes_evicted"], [0]
+            unlinker = store._leases.unlinker
+            unlink0 = _unlink_cpu(unlinker)
             for j in range(args.writes):
                 toks = as_tokens(prompts(written + j)).copy()
                 ks, vs = scale._kv(len(toks), kv)
@@ -109,6 +123,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 writer.write(toks, ks, vs)
                 total[mode[0]] += time.thread_time() - c0
                 sizes.append(index.wal_bytes())
+            unlinker.drain()  # (the window's evicted files deleted: their CPU counted)
+            unlink_cpu = _unlink_cpu(unlinker) - unlink0
+            total[mode[0]] += unlink_cpu
+            acc[(mode[0], UNLINK)] += unlink_cpu
             written += args.writes
             if mode[0] != "warm":
                 if all(a <= b for a, b in zip(sizes, sizes[1:])):  # no checkpoint restarted the WAL
@@ -120,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for m in ("below", "at"):
             out[m] = {
                 "cpu_ms_per_write": 1e3 * total[m] / n,
-                "parts_cpu_ms_per_write": {name: 1e3 * acc[(m, name)] / n for _, _, name in PARTS},
+                "parts_cpu_ms_per_write": {name: 1e3 * acc[(m, name)] / n for name in [*(p[2] for p in PARTS), UNLINK]},
                 "wal_pages_per_write": sum(pages[m].values()) / max(1, counted[m]),
                 "wal_pages_by_table": {k: v / max(1, counted[m]) for k, v in pages[m].most_common()},
                 "wal_pages_counted_writes": counted[m],

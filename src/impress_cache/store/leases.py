@@ -17,6 +17,7 @@ readable.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import Counter
@@ -24,6 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..index.radix import Match
 from .activity import Activity
+
+log = logging.getLogger(__name__)
 
 #: seconds after a match during which the disk budget prefers to leave the matched files
 #: alone (it takes them only when nothing else brings the store within its budget)
@@ -136,7 +139,8 @@ class Unlinker:
             self._draining += 1
             try:
                 while self._names or self._busy:
-                    self._cv.notify_all()
+                    if self._names and not self._busy:  # (the thread sleeps: wake it; busy, it wakes us)
+                        self._cv.notify_all()
                     self._cv.wait(DRAIN_POLL_S)
             finally:
                 self._draining -= 1
@@ -153,6 +157,9 @@ class Unlinker:
             thread.join()
         with self._cv:  # anything handed over while closing
             names, self._names = self._names, []
+            error, self._error = self._error, None
+        if error is not None:  # (failed since the last drain: nobody would hear of it)
+            log.warning("deleting an evicted chunk file failed (it stays until the store is next opened): %r", error)
         for name in names:
             self._unlink(name)
 
