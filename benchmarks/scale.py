@@ -474,7 +474,7 @@ def main() -> None:
     ap.add_argument("--writes", type=int, default=None, help="writes per phase (default 400, quick 100)")
     ap.add_argument("--windows", type=int, default=None,
                     help="pairs of below/at-budget windows the writes are split into (default 8, quick 4)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per phase at least (default 100, quick 30)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per phase at least (default 300, quick 30)")
     ap.add_argument("--no-fsync", action="store_true", help="ImpressConfig(fsync=False)")
     ap.add_argument("--dir", default=None, help="where the store is built (default: the temp directory)")
     ap.add_argument("--keep", type=Path, default=None,
@@ -487,7 +487,7 @@ def main() -> None:
     args.sizes = args.sizes or ([300, 1000, 3000] if args.quick else [1000, 10000, 50000])
     args.writes = args.writes or (100 if args.quick else 400)
     args.windows = args.windows or (4 if args.quick else 8)
-    args.requests = args.requests or (30 if args.quick else 100)
+    args.requests = args.requests or (30 if args.quick else 300)
     result = run(args)
     text = json.dumps(result, indent=2)
     if args.out:
