@@ -186,9 +186,9 @@ def window(model, store: ImpressStore, prompts: Prompts, start: int, count: int,
         within[0] += time.perf_counter() - t0
         return out
 
-    def timed(budget, protect=()):
+    def timed(budget, protect=(), **kw):
         t0 = time.perf_counter()
-        out = enforce(budget, protect)
+        out = enforce(budget, protect, **kw)
         evictions.append(within[0] + time.perf_counter() - t0)
         within[0] = 0.0
         return out

@@ -117,7 +117,7 @@ class StoreGC:
         return removed
 
     # -- disk budget -----------------------------------------------------------------
-    def enforce(self, budget: int | None, protect: Iterable[int] = ()) -> dict[str, int]:
+    def enforce(self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False) -> dict[str, int]:
         """Remove the least valuable stored prefixes until the store fits ``budget``.
 
         The store's size is what it puts on disk (`Catalog.disk_bytes`): every indexed
@@ -136,7 +136,9 @@ class StoreGC:
         statements (a leaf, its file if no other node needs it); up to `BATCH` of them
         share one index transaction, and the catalog lock is released between
         transactions. A write at the budget usually made its room already, in its own
-        transaction (`evict_within`): then this call is a ``stat`` of the WAL. Chunk files no node references any more
+        transaction (`evict_within`): then this call is a ``stat`` of the WAL (``fresh``: the
+        caller's write transaction has just looked at other processes' commits, under the
+        write lock, so the check does not take the catalog lock to look again). Chunk files no node references any more
         are deleted after the commit (a file shared with nodes that stay is kept: its
         bytes are freed once its last node goes). The cost of a call is proportional to
         what it removes and to the candidates it skips, not to the size of the store.
@@ -148,7 +150,8 @@ class StoreGC:
         protected = set(protect)
         self._start_order()
         bound = wal_bound(budget)
-        catalog.refresh()
+        if not fresh:
+            catalog.refresh()
         wal = catalog.index.wal_bytes()
         size = catalog.disk_bytes(wal)
         if wal <= bound and size + bound - wal <= budget:  # (usually: the write's own removals did it)

@@ -410,7 +410,7 @@ class ImpressStore:
                     self.tiers.seed((file_id, KV, layer, b), 1.0)
         if self.config.disk_bytes is not None:
             try:
-                self.enforce_disk_budget(protect=() if leaf is None else (leaf.id,))
+                self._gc.enforce(self.config.disk_bytes, () if leaf is None else (leaf.id,), fresh=True)
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
         self._remote.push(leaf if push else None)  # upload what this host wrote
