@@ -195,6 +195,9 @@ class Catalog:
             if self.index.changed_elsewhere(wait) or self._stale:
                 self.reload_tree()
 
+    #: whether the tree may not follow the index (the next `refresh` reloads it)
+    stale = property(lambda self: self._stale)
+
     def mark_stale(self) -> None:
         """The tree may not follow the index: the next `refresh` reloads it."""
         with self.lock:

@@ -150,7 +150,7 @@ class StoreGC:
         protected = set(protect)
         self._start_order()
         bound = wal_bound(budget)
-        if not fresh:
+        if not fresh or catalog.stale:  # (a tree left stale by a failed reload is reloaded now)
             catalog.refresh()
         wal = catalog.index.wal_bytes()
         size = catalog.disk_bytes(wal)
