@@ -327,11 +327,7 @@ class TierManager(TierView):
 
     def drop(self, key: Hashable) -> bool:
         """Forget a block entirely (its disk copy is gone); True if it was resident."""
-        with self._lock:
-            resident = self.evict(key)
-            self._sizes.pop(key, None)
-            self._policy.forget(key)
-            return resident
+        return self.drop_many((key,)) > 0
 
     def drop_many(self, keys: Iterable[Hashable]) -> int:
         """`drop` each of ``keys`` under one hold of the lock (the blocks of deleted chunk
@@ -357,7 +353,7 @@ class TierManager(TierView):
         with self._lock:
             keys = {k for k in self._where if predicate(k)}
             keys.update(k for k in self._policy.keys() if predicate(k))
-            return sum(self.drop(k) for k in keys)
+            return self.drop_many(keys)
 
     def __repr__(self) -> str:
         with self._lock:
