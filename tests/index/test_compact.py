@@ -191,10 +191,8 @@ def test_damaged_rows_are_refused(tmp_path, damage):
 def test_memory_per_node_stays_small(tmp_path):
     """5,000 stored prompts of 80 tokens each (a shared part of 20, 60 of their own): the
     loaded tree and file table take under 8 bytes per stored token, as traced by
-    tracemalloc (this form: ~6.7, with packed nodes, a node table of columns, the
-    files' context digests kept once each and a node's loaded children in one tuple;
-    with a dict of children: ~6.9; the form before: ~9.5; before that, a record
-    object and a token array per file and a dict per node: ~20)."""
+    tracemalloc (packed nodes, a node table of columns, the files' context digests kept
+    once each and a node's loaded children in one tuple)."""
     index = Index(tmp_path / "index.sqlite")
     rng = np.random.default_rng(0)
     n, tokens = 5000, 0

@@ -109,9 +109,9 @@ def test_a_failure_after_a_rewrite_commits_keeps_the_rewritten_file(tmp_path, mo
         for _ in range(4):
             scatter(store, toks)
         calls = _fail_once(monkeypatch, RadixTree, "replace")
-        reloads = _fail_once(monkeypatch, Catalog, "reload_tree") if reload_fails else [1]
+        reloads = _fail_once(monkeypatch, Catalog, "reload_tree") if reload_fails else None
         assert store.reorganize(force=True)["rewritten"] == 1
-        assert calls and reloads
+        assert calls and (reloads is None or reloads)
         monkeypatch.undo()
         assert store.stats()["after_commit_failures"] == 1
         store._catalog.refresh()

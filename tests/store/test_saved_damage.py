@@ -14,9 +14,8 @@ import pytest
 from impress_cache import ImpressStore
 from impress_cache.errors import StoreIOError
 from impress_cache.store.saved import DeferredLoad
-from impress_cache.store.writer import PromptWriter
 from test_reorder import _model, cfg, put, scatter
-from test_saved_values import Clock, _prompts
+from test_saved_values import Clock, _hold_writer, _prompts
 
 A, B = list(range(3, 35)), list(range(40, 72))  # two prompts without a shared prefix
 
@@ -33,14 +32,6 @@ def _sql(path, *statements, args=()):
 
 def _counts(path) -> dict[int, int]:
     return dict(_sql(path, "SELECT node_id, count FROM node_stats"))
-
-
-def _hold_writer(monkeypatch) -> threading.Event:
-    """The writer thread's jobs wait for the returned event (the deferred reads among them)."""
-    go = threading.Event()
-    background = PromptWriter.background
-    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
-    return go
 
 
 def _save_node_values(path) -> dict[int, int]:

@@ -21,6 +21,18 @@ def _prompts() -> list[list[int]]:
     return [[5, 6, 7, 8] + [20 + i, 30 + i, 40 + i, 50 + i] for i in range(6)] + [[9, 9, 9, 1, 2]]
 
 
+def _hold_writer(monkeypatch):
+    """The writer thread's jobs wait for the returned event (the deferred reads among them)."""
+    import threading
+
+    from impress_cache.store.writer import PromptWriter
+
+    go = threading.Event()
+    background = PromptWriter.background
+    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    return go
+
+
 def _used(store: ImpressStore, clock: Clock) -> list[int]:
     """Store `_prompts` and access some nodes twice, with shares; returns the node ids."""
     for toks in _prompts():
@@ -58,9 +70,7 @@ def test_saved_node_values_come_back(tmp_path, policy, install):
 def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path, monkeypatch):
     """Opening does not read the node statistics (the writer thread does, as its first
     job); a request that comes before it reads them itself, and its access counts on top."""
-    import threading
 
-    from impress_cache.store.writer import PromptWriter
 
     toks = _prompts()[2]
     with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
@@ -71,9 +81,7 @@ def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path
             store.lease([store.match(toks)]).release()
         saved = store._values._policy.stats_of(leaf)["count"]
     assert saved >= 3
-    go = threading.Event()
-    background = PromptWriter.background
-    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    go = _hold_writer(monkeypatch)
     store = ImpressStore(tmp_path, _model(), cfg(policy="lfu"))
     try:
         assert store._values.saved.pending  # not read while opening
@@ -92,11 +100,9 @@ def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path
 def test_saved_importance_is_read_after_open_and_before_a_request_adds_to_it(tmp_path, monkeypatch):
     """Row importance (what the reorganiser sorts by) is read after open too; a request
     that records importance before the writer thread read it adds to the saved sums."""
-    import threading
 
     import numpy as np
 
-    from impress_cache.store.writer import PromptWriter
     from test_reorder import scatter
 
     toks = list(range(3, 35))
@@ -105,9 +111,7 @@ def test_saved_importance_is_read_after_open_and_before_a_request_adds_to_it(tmp
         scatter(store, toks)
         (node,) = [n for n in store.tree.nodes() if n.parent is not None]
         saved = store._importance.get(node.id)
-    go = threading.Event()
-    background = PromptWriter.background
-    monkeypatch.setattr(PromptWriter, "background", lambda self, fn: background(self, lambda: (go.wait(60), fn())))
+    go = _hold_writer(monkeypatch)
     store = ImpressStore(tmp_path, _model(), cfg(half_life_s=None))
     try:
         assert store._importance.saved.pending  # not read while opening
