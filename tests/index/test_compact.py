@@ -283,7 +283,8 @@ def test_packed_nodes_and_node_table_against_tuples(values, data):
     """A node's packed fields read back as the tuple they were given, built one by one or
     from columns (`_packed`), and the node table answers as a dict of them does through
     removals and additions."""
-    from impress_cache.index.radix import RadixNode, _NodeTable, _pack, _packed
+    from impress_cache.index.nodetable import NodeTable
+    from impress_cache.index.radix import RadixNode, _pack, _packed
 
     buf = np.zeros(4, np.int32)
     cols = [np.array(c, np.int64) for c in zip(*values)]
@@ -296,9 +297,9 @@ def test_packed_nodes_and_node_table_against_tuples(values, data):
     order = np.argsort(cols[0])
     nodes = [RadixNode.view(v[0], buf, v[2], v[4], v[1], v[3], None) for v in values]
     if data.draw(st.booleans()):  # nodes in id order
-        table = _NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
+        table = NodeTable({0: "root"}, cols[0][order], [nodes[i] for i in order])
     else:  # nodes in the order they were built, found through the rows of the ids
-        table = _NodeTable({0: "root"}, cols[0][order], list(nodes), order.astype(np.uint32))
+        table = NodeTable({0: "root"}, cols[0][order], list(nodes), order.astype(np.uint32))
     ref = {0: "root", **{v[0]: n for v, n in zip(values, nodes)}}
     for _ in range(data.draw(st.integers(0, 20))):
         node_id = data.draw(st.sampled_from(sorted(ref)) | st.integers(0, 2**63))

@@ -20,7 +20,7 @@ from ..storage.base import kind_of
 
 #: what a value read back from a damaged index raises while it is decoded (blobs of the
 #: wrong size, text that is not JSON, numbers where there should be bytes)
-_MALFORMED = (ValueError, TypeError, KeyError, IndexError, UnicodeError)
+MALFORMED = (ValueError, TypeError, KeyError, IndexError, UnicodeError)
 _IO_CODES = {
     sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_READONLY,
     sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_INTERRUPT,
@@ -56,7 +56,7 @@ def is_damage(exc: BaseException, decoding: bool = False) -> bool:
     wrong call in our code; ``decoding``: raised while values read back were decoded."""
     if isinstance(exc, (ImpressError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
         return False
-    return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, _MALFORMED))
+    return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, MALFORMED))
 
 
 def float_rows(rows: list[tuple] | list[list]) -> np.ndarray:

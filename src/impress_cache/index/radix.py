@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .files import find_sorted
+from .nodetable import NodeTable
 
 TokenArray = np.ndarray
 
@@ -261,78 +261,14 @@ class InsertPlan:
     terminal: RadixNode | None
 
 
-class _NodeTable:
-    """Nodes by id: those the tree was loaded with as columns (their ids, sorted; the
-    nodes, in the order they were built, a removed one leaving ``None``; ``rows``: where
-    the node of each id is, ``None`` when the nodes are in id order), those added since
-    in a dict. No int object and dict entry per loaded node."""
-
-    __slots__ = ("_ids", "_objs", "_rows", "_loaded", "_more")
-
-    def __init__(
-        self, more: dict[int, RadixNode], ids: np.ndarray | None = None, objs: list | None = None,
-        rows: np.ndarray | None = None,
-    ) -> None:
-        self._ids = np.zeros(0, np.int64) if ids is None else ids
-        self._objs: list[RadixNode | None] = [] if objs is None else objs
-        self._rows = rows
-        self._loaded = len(self._objs)
-        self._more = more
-
-    def _at(self, node_id: int) -> int:
-        """The place in ``_objs`` of a loaded id, or -1."""
-        i = find_sorted(self._ids, node_id)
-        return i if i < 0 or self._rows is None else int(self._rows[i])
-
-    def get(self, node_id: int) -> RadixNode | None:
-        node = self._more.get(node_id)
-        if node is None and len(self._ids):
-            i = self._at(node_id)
-            return self._objs[i] if i >= 0 else None
-        return node
-
-    def __contains__(self, node_id: int) -> bool:
-        return self.get(node_id) is not None
-
-    def __getitem__(self, node_id: int) -> RadixNode:
-        node = self.get(node_id)
-        if node is None:
-            raise KeyError(node_id)
-        return node
-
-    def __setitem__(self, node_id: int, node: RadixNode) -> None:
-        self._more[node_id] = node  # (a new id: ids are never used twice)
-
-    def __delitem__(self, node_id: int) -> None:
-        if self._more.pop(node_id, None) is None:
-            i = self._at(node_id)
-            if i < 0 or self._objs[i] is None:
-                raise KeyError(node_id)
-            self._objs[i] = None
-            self._loaded -= 1
-
-    def __len__(self) -> int:
-        return self._loaded + len(self._more)
-
-    def values(self) -> Iterator[RadixNode]:
-        yield from (n for n in self._objs if n is not None)
-        yield from list(self._more.values())
-
-    def max_id(self) -> int:
-        rows, objs = self._rows, self._objs
-        last = next(  # the largest loaded id still in the table
-            (int(self._ids[i]) for i in range(len(self._ids) - 1, -1, -1) if objs[i if rows is None else int(rows[i])] is not None),
-            None,
-        )
-        return max([*([last] if last is not None else []), *self._more])
-
-
 class RadixTree:
     """A token-prefix tree whose nodes point at rows of chunk files."""
 
     def __init__(self) -> None:
         self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
-        self._nodes = _NodeTable({0: self.root})
+        self._nodes = NodeTable({0: self.root})
+        #: changes of the tree's shape so far (a plan made before one no longer applies)
+        self.version = 0
 
     @classmethod
     def from_columns(cls, nodes: np.ndarray, offsets: np.ndarray, buf: np.ndarray) -> RadixTree:
@@ -402,7 +338,7 @@ class RadixTree:
             raise ValueError(f"{len(ids) - placed} node(s) have no parent")
         small = len(ids) and ids[-1] < 1 << 32  # (ids and rows in four bytes while they fit)
         rows = by_id.astype(np.uint32) if len(by_id) < 1 << 32 else by_id
-        tree._nodes = _NodeTable({0: tree.root}, ids.astype(np.uint32) if small else ids, by_row, rows)
+        tree._nodes = NodeTable({0: tree.root}, ids.astype(np.uint32) if small else ids, by_row, rows)
         return tree
 
     # -- queries ---------------------------------------------------------------------
@@ -515,6 +451,7 @@ class RadixTree:
         self._nodes[upper.id] = upper
         self._nodes[lower.id] = lower
         del self._nodes[node.id]
+        self.version += 1
         return upper, lower
 
     def replace(self, node: RadixNode, node_id: int, file_id: int, file_row: int) -> RadixNode:
@@ -530,6 +467,7 @@ class RadixTree:
         parent._own_children()[int(node.tokens[0])] = new
         self._nodes[new.id] = new
         del self._nodes[node.id]
+        self.version += 1
         return new
 
     def add_child(
@@ -544,6 +482,7 @@ class RadixTree:
         node = RadixNode(self._free(node_id), tokens, file_id, file_row, parent, terminal)
         parent._own_children()[int(tokens[0])] = node
         self._nodes[node.id] = node
+        self.version += 1
         return node
 
     def remove(self, node: RadixNode) -> None:
@@ -559,6 +498,7 @@ class RadixTree:
         if not kids:
             parent._kids = None
         del self._nodes[node.id]
+        self.version += 1
 
     def subtree(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and all its descendants, children before parents."""

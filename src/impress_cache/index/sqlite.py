@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ReadOnlyStoreError, StoreFormatError
-from .guard import _MALFORMED, _check_regular, _guarded, float_rows, index_error, is_damage
-from ..storage.base import BlockKey, create_file, disk_bytes
-from .columns import scratch
+from .guard import _check_regular, _guarded, index_error, is_damage
+from ..storage.base import create_file, disk_bytes
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
+from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
 from .schema import SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
@@ -47,7 +47,7 @@ def _record(row: tuple) -> FileRecord:
     return check_record(FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11])))
 
 
-class Index:
+class Index(StatisticsTables):
     """A WAL-mode SQLite database; every method is safe to call from any thread.
 
     Every SQLite error (and every malformed value read back) is raised as an
@@ -375,7 +375,7 @@ class Index:
             release_free_heap()
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
-        with self._lock, _snapshot(self._conn):  # one snapshot of both tables
+        with self._lock, read_snapshot(self._conn):  # one snapshot of both tables
             files = self._load_files()
             cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
             parts = [np.zeros((0, 6), np.int64)]
@@ -410,144 +410,15 @@ class Index:
             builder.add_rows(rows)
         return builder.build()
 
-    # -- block statistics (cold start of the memory tiers) ------------------------------
-    def save_block_stats(self, records: dict[BlockKey, dict[str, Any]], saved_at: float) -> int:
-        """Upsert per-block statistics in one transaction; blocks of unknown files are skipped.
-
-        ``records`` maps a block key to a policy record (``count``, ``freq``, ``share``,
-        ``age_s``, ``seq``) as of ``saved_at`` (wall-clock seconds). Returns the number
-        of rows written.
-        """
-        rows = [
-            (
-                int(k[0]), int(k[1]), int(k[2]), int(k[3]),
-                int(r.get("count", 0)), float(r.get("freq", 0.0)), float(r.get("share", 1.0)),
-                float(r.get("age_s", 0.0)), int(r.get("seq", 0)), float(saved_at), int(k[0]),
-            )
-            for k, r in records.items()
-        ]
-        return self._upsert_if_owned("block_stats", "file_id, kind, layer, block, count, freq, share, age_s, seq, saved_at", "files", rows)
-
-    def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
-        """Every saved block statistic whose file is still in the index (``count``,
-        ``freq``, ``share``, ``age_s``, ``seq`` and ``saved_at``, wall-clock seconds)."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT s.file_id, s.kind, s.layer, s.block, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at "
-                "FROM block_stats s JOIN files f ON f.id = s.file_id"
-            ).fetchall()
-        return [
-            (
-                (r[0], r[1], r[2], r[3]),
-                {"count": r[4], "freq": r[5], "share": r[6], "age_s": r[7], "seq": r[8], "saved_at": r[9]},
-            )
-            for r in rows
-        ]
-
-
-    # -- node statistics (the disk budget's value of a stored prefix) ---------------------
-    def save_node_stats(self, records: dict[int, dict[str, Any]], saved_at: float) -> int:
-        """Upsert per-node statistics (records as for blocks); unknown nodes are skipped."""
-        rows = [
-            (
-                int(k), int(r.get("count", 0)), float(r.get("freq", 0.0)), float(r.get("share", 1.0)),
-                float(r.get("age_s", 0.0)), int(r.get("seq", 0)), float(saved_at), int(k),
-            )
-            for k, r in records.items()
-        ]
-        return self._upsert_if_owned("node_stats", "node_id, count, freq, share, age_s, seq, saved_at", "nodes", rows)
-
-    def _upsert_if_owned(self, table: str, columns: str, owner: str, rows: list[tuple]) -> int:
-        """``INSERT OR REPLACE`` ``rows`` into ``table`` (the values of ``columns``, then
-        the id of the row of ``owner`` they belong to, which must exist: rows of removed
-        files or nodes are skipped); returns the number of rows written."""
-        if not rows:
-            return 0
-        marks = ",".join("?" * len(columns.split(",")))
-        with self.transaction() as conn:
-            before = conn.total_changes
-            conn.executemany(
-                f"INSERT OR REPLACE INTO {table}({columns}) SELECT {marks} WHERE EXISTS (SELECT 1 FROM {owner} WHERE id=?)",
-                rows,
-            )
-            return conn.total_changes - before
-
-    def save_importance(self, records: dict[int, tuple[np.ndarray, float, int]], saved_at: float) -> int:
-        """Upsert per-node importance: ``node -> (scores [layers, length], requests,
-        pending)`` (scores stored as float16); unknown nodes are skipped."""
-        rows = [
-            (
-                int(k), int(a.shape[0]), int(a.shape[1]), np.ascontiguousarray(a, dtype="<f2").tobytes(),
-                float(req), int(pend), float(saved_at), int(k),
-            )
-            for k, (a, req, pend) in records.items()
-        ]
-        return self._upsert_if_owned("node_importance", "node_id, layers, length, scores, requests, pending, saved_at", "nodes", rows)
-
-    def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
-        """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``
-        (``scores`` None where the saved bytes are not ``layers x`` the node's length
-        float16 values: the store skips that row, not all)."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT i.node_id, i.layers, n.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
-                "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
-            ).fetchall()
-        return {
-            r[0]: (_scores(r[3], r[1], r[2]), r[4], r[5], r[6])
-            for r in rows
-        }
-
-    def load_node_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        """Saved per-node statistics (a node's go with it: trigger ``node_removed``), as
-        columns: node ids (``int64``, increasing) and ``float64 [n, 6]`` of ``count,
-        freq, share, age_s, seq, saved_at`` (wall-clock seconds), copied a chunk at a time
-        into `scratch` arrays sized up front (unmapped once the caller drops them)."""
-        # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
-        with self._lock, gc_paused():
-            with _snapshot(self._conn):
-                (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
-                ids, data, k, block = scratch(n, np.int64), scratch((6, n), np.float64), 0, None
-                cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
-                while rows := cur.fetchmany(256):  # (small: rows are Python objects; freed pools stay resident)
-                    block = float_rows(rows)  # (a value that is not a number: NaN, skipped by the store)
-                    ids[k : k + len(rows)], data[:, k : k + len(rows)] = block[:, 0], block[:, 1:].T
-                    k += len(rows)
-            self._conn.execute("PRAGMA shrink_memory")
-        del rows, block
-        release_free_heap()
-        return ids, data.T
-
 
 #: the methods that decode values read back (where a malformed value means damage)
 _DECODING = {
     "get_json", "get_or_set_json", "file", "files", "block_table", "file_perm", "total_bytes", "load_tree",
     "load_block_stats", "load_node_stats", "load_importance",
 }
-for _name, _fn in list(vars(Index).items()):
+for _name, _fn in [*vars(StatisticsTables).items(), *vars(Index).items()]:
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
         setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
-
-
-def _scores(blob: Any, layers: Any, length: Any) -> np.ndarray | None:
-    """Saved importance scores as ``float16 [layers, length]``, or None if malformed."""
-    try:
-        return np.frombuffer(blob, dtype="<f2").reshape(layers, length).astype(np.float16)
-    except _MALFORMED:
-        return None
-
-
-@contextmanager
-def _snapshot(conn: sqlite3.Connection) -> Iterator[None]:
-    """One read snapshot meanwhile (a read transaction, unless one is open already)."""
-    own = not conn.in_transaction
-    if own:
-        conn.execute("BEGIN")
-    try:
-        yield
-    finally:
-        if own:
-            conn.execute("COMMIT")
 
 
 def _has_meta(conn: sqlite3.Connection) -> bool:

@@ -16,44 +16,25 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..errors import CorruptBlockError, StoreFormatError
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
-from ..storage.base import BlockTable, context_digest, file_seed
+from .chunkfiles import FILE_NAME, OpenFile, open_chunk, read_file
 from .directory import CreationGate
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 CHUNK_DIR = "chunks"
-#: names the store gives its chunk files; anything else in the index is damage
-FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
 #: `Catalog.disk_bytes` calls between two measurements of the index file and directories
 _REMEASURE = 32
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-@dataclass
-class OpenFile:
-    """A chunk file this process has looked up: its record, path, block table and fd."""
-
-    record: FileRecord
-    path: Path
-    table: BlockTable
-    fd: int | None = None
-    #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
-    perm: np.ndarray | None = None
 
 
 class Companions(Protocol):
@@ -76,6 +57,38 @@ def _record_of(file_id: int, f: NewFile) -> FileRecord:
 
 def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
     yield from ids()
+
+
+class _Handover:
+    """A lock held from ``with`` on, let go by `let_go` and taken again by `retake`, and
+    released at the end of the ``with`` if held. A write's index transaction lets the
+    catalog's lock go right before its ``COMMIT``: that waits for the disk (fsync), and
+    requests need the lock to match. The transaction still holds the index's lock, so
+    nobody else commits meanwhile; whoever takes the catalog's lock meanwhile sees the
+    tree as it was planned (the leaves the transaction removes already gone, the new
+    prompt not yet there)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+        self._held = False
+
+    def __enter__(self) -> _Handover:
+        self._lock.acquire()
+        self._held = True
+        return self
+
+    def let_go(self) -> None:
+        if self._held:
+            self._lock.release()
+            self._held = False
+
+    def retake(self) -> None:
+        if not self._held:
+            self._lock.acquire()
+            self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.let_go()
 
 
 def _dir_blocks(path: Path) -> int:
@@ -166,27 +179,6 @@ class Catalog:
             self.refresh(wait=False)
             return self.tree.match(tokens, limit)
 
-    def check_match(self, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:
-        """Check a match against what its files say about themselves: each segment's
-        position is its file's first position plus its row, and the tokens before the
-        file's first row are the ones the file was computed after (SHA-256). Returns
-        ``(file_id, reason)`` for the first file that contradicts the index, else ``None``.
-        """
-        pos = 0
-        digests: dict[int, bytes] = {}
-        for seg in match.segments:
-            rec = self.records.get(seg.file_id)
-            if rec is None:
-                return seg.file_id, "the index has no record of it"
-            if rec.first_pos + seg.file_row != pos:
-                return seg.file_id, f"a node places its row {seg.file_row} at position {pos}, not {rec.first_pos + seg.file_row}"
-            if rec.first_pos not in digests:
-                digests[rec.first_pos] = context_digest(tokens[: rec.first_pos])
-            if digests[rec.first_pos] != rec.context:
-                return seg.file_id, "the tokens before its first row are not the ones it was computed after"
-            pos += seg.length
-        return None
-
     def refresh(self, wait: bool = True) -> None:
         """Reload the tree if another process changed the index (``wait``: see
         `Index.changed_elsewhere`)."""
@@ -230,9 +222,12 @@ class Catalog:
         """
         arr = as_tokens(tokens)
         removal: list = []
-        with self.lock:
+        with _Handover(self.lock) as hand:
             try:
-                staged = self._index_prompt(arr, matched, new_file, budget, removal)
+                try:
+                    staged = self._index_prompt(arr, matched, new_file, budget, removal, hand.let_go)
+                finally:
+                    hand.retake()
             except BaseException:
                 if removal:  # leaves were taken out of the tree for a transaction that failed
                     self.reload_tree()
@@ -240,9 +235,13 @@ class Catalog:
             if staged is None:
                 return None
             # committed: from here on a failure never undoes the commit
-            plan, ids, file_id, record = staged
+            plan, ids, file_id, record, (tree, version) = staged
             try:
-                leaf = self._follow_prompt(plan, ids, file_id, record)
+                if self.tree is tree and tree.version == version:
+                    leaf = self._follow_prompt(plan, ids, file_id, record)
+                else:  # changed while the commit ran (another writer, a reload): read it again
+                    self.reload_tree()
+                    leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
                 if removal and removal[0] is not None:
                     removal[0].settle()
             except BaseException as exc:
@@ -272,10 +271,13 @@ class Catalog:
             log.warning("reloading the tree failed as well (retried at the next look at the index): %r", again)
 
     def _index_prompt(
-        self, arr: np.ndarray, matched: int, new_file: NewFile | None, budget: int | None, removal: list
-    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord | None] | None:
-        """`commit_prompt`'s transaction; returns what the tree needs to follow it (``None``:
-        nothing committed, the prefix changed)."""
+        self, arr: np.ndarray, matched: int, new_file: NewFile | None, budget: int | None, removal: list,
+        before_commit: Callable[[], None],
+    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord | None, tuple[RadixTree, int]] | None:
+        """`commit_prompt`'s transaction; returns what the tree needs to follow it and the
+        tree and its `RadixTree.version` as the plan saw them (``None``: nothing
+        committed, the prefix changed). ``before_commit`` runs last inside the
+        transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.index.transaction() as conn:
             self.refresh()  # under the write lock: nobody commits between this and ours
@@ -311,7 +313,9 @@ class Catalog:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
                 removal.append(None)  # (from here on, a failure reloads the tree)
                 removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
-        return plan, ids, file_id, record
+            seen = (self.tree, self.tree.version)
+            before_commit()
+        return plan, ids, file_id, record, seen
 
     def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord | None) -> RadixNode | None:
         """The tree (and file table) after `_index_prompt`'s commit; returns the new leaf."""
@@ -397,48 +401,35 @@ class Catalog:
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
-        """The block table of a file, checked against the store's naming rules."""
+        """The block table of a file, checked against the store's naming rules. The index
+        is read without the catalog's lock (it may wait for a write's commit, and
+        requests need the lock to match); the first of two threads opening the same
+        file meanwhile installs it."""
         with self.lock:
             f = self._open.get(file_id)
             if f is not None:
                 return f
-            record = self.records.get(file_id) or self.index.file(file_id)
-            if record is None:
-                raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
-            if not FILE_NAME.match(record.name):
-                raise StoreFormatError(
-                    f"the index {self.index.path} is damaged: file {file_id} is named {record.name!r}, "
-                    "which is not a name this store gives its chunk files. Rebuild the index with "
-                    "`impress-cache verify --repair`."
-                )
-            arrays = self.index.block_table(file_id)
-            if arrays is None:
-                raise CorruptBlockError(f"file {file_id} is not in the index", file_id)
-            perm = self.index.file_perm(file_id) if record.reordered else None
-            if record.reordered and perm is None:
-                raise CorruptBlockError(f"file {file_id} is reordered but the index has no permutation for it", file_id)
-            seed = file_seed(bytes.fromhex(record.name[:32]), record.context, record.first_pos, record.tokens, perm)
-            table = BlockTable.build(*arrays, seed, record.n_tokens, record.chunk_tokens, self._row_bytes)
-            f = OpenFile(record, self.chunks / record.name, table, perm=perm)
-            self._open[file_id] = f
-            return f
+            known = self.records.get(file_id)
+        f = read_file(self.index, self.chunks, self._row_bytes, file_id, known)
+        with self.lock:
+            if known is not None and file_id not in self.records:
+                return f  # removed meanwhile: not kept (its forget has run or is due)
+            return self._open.setdefault(file_id, f)
 
     def fd(self, f: OpenFile) -> int:
-        """A read-only descriptor of a chunk file: no symbolic links, regular files only,
-        never blocking on a FIFO."""
+        """A read-only descriptor of a chunk file (`open_chunk`), opened without the
+        catalog's lock (an ``open`` waits for the directory, which a write's rename or a
+        deletion may hold); the first of two threads opening it meanwhile installs its
+        descriptor, the other closes its own."""
+        if f.fd is not None:
+            return f.fd
+        fd = open_chunk(f, self.chunks_fd)
         with self.lock:
             if f.fd is None:
-                try:
-                    fd = os.open(f.record.name, _OPEN_FLAGS, dir_fd=self.chunks_fd)
-                except OSError as exc:
-                    raise CorruptBlockError(f"cannot open chunk file {f.path}: {exc}", f.record.id) from exc
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.close(fd)
-                    raise CorruptBlockError(f"chunk file {f.path} is not a regular file", f.record.id)
-                # blocks are read where the request needs them: no kernel read-ahead past them
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                f.fd = fd
-            return f.fd
+                f.fd, fd = fd, -1
+        if fd >= 0:
+            os.close(fd)
+        return f.fd
 
     def perm_of(self, file_id: int) -> np.ndarray | None:
         """The row permutation of a reordered file (``None``: rows in prompt order)."""
@@ -491,9 +482,10 @@ class Catalog:
 
     def indexed(self, file_ids: Iterable[int]) -> bool:
         """Whether every file of ``file_ids`` is in the index now (one look at other
-        processes' commits for all of them)."""
+        processes' commits for all of them that, like `match`'s, does not wait for this
+        process's writer: this process's removals are known at once, before they commit)."""
         with self.lock:
-            self.refresh()
+            self.refresh(wait=False)
             return all(fid in self.records for fid in file_ids)
 
     def disk_bytes(self, wal: int | None = None) -> int:

@@ -17,7 +17,8 @@ from ..index.radix import RadixNode
 from ..index.sqlite import WAL_LIMIT, FileRecord
 from ..storage.base import KV, PROBE, BlockKey
 from ..tiers import TierManager
-from .catalog import FILE_NAME, Catalog
+from .catalog import Catalog
+from .chunkfiles import FILE_NAME
 from .leftovers import move_aside
 from .leases import GRACE, LEASED, LeaseTable
 from .values import NodeValues

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from ..errors import ImpressError, StoreFormatError
 from ..index.files import release_free_heap
 from ..storage import FORMATS
-from .catalog import FILE_NAME, Catalog
+from .catalog import Catalog
+from .chunkfiles import FILE_NAME
 from .directory import dir_mode, ensure_dir
 
 log = logging.getLogger(__name__)

@@ -122,9 +122,7 @@ class StatsKeeper:
         try:
             blocks = self._tiers.export_stats(dirty) if dirty else {}
             saved_at = time.time()
-            self._index.save_node_stats(nodes, saved_at)
-            self._index.save_importance(importance, saved_at)
-            return self._index.save_block_stats(blocks, saved_at)
+            return self._index.save_statistics(saved_at, nodes, importance, blocks)[2]
         except BaseException:
             # nothing is lost: what was to be saved stays marked for the next save (a
             # part that was written meanwhile is written again, harmlessly)

@@ -28,7 +28,8 @@ from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
 from ..storage import FORMATS
 from ..storage.base import PROBE
-from .catalog import CHUNK_DIR, FILE_NAME, Catalog
+from .catalog import CHUNK_DIR, Catalog
+from .chunkfiles import FILE_NAME
 from .directory import dir_mode, ensure_dir
 from .header import decode_header
 

@@ -46,6 +46,7 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
+from .chunkfiles import check_match
 from .directory import prepare
 from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
@@ -280,7 +281,7 @@ class ImpressStore:
         for _ in range(_MAX_INDEX_REPAIRS):
             with self._catalog.lock:
                 m = self._catalog.match(arr, limit)
-                bad = self._catalog.check_match(arr, m)
+                bad = check_match(self._catalog.records, arr, m)
                 if bad is None:
                     self._leases.note(m)
                     return m
@@ -469,15 +470,15 @@ class ImpressStore:
         """Write the statistics of the blocks accessed since the last save to the index
         (runs on `flush`, on `close` and every ``config.stats_interval_s`` seconds).
         Returns the number of block records written. A read-only store keeps them in
-        memory; a failure (disk full) is logged and the statistics are kept for later."""
+        memory; a failure (disk full) is logged and the statistics are kept for later.
+        Requests match meanwhile: this holds the index, not the catalog's lock."""
         if self.read_only:
             return 0
-        with self._catalog.lock:
-            try:
-                return self._stats.save()
-            except (OSError, ImpressError) as exc:
-                log.warning("saving block statistics to %s failed: %s", self.path, exc)
-                return 0
+        try:
+            return self._stats.save()
+        except (OSError, ImpressError) as exc:
+            log.warning("saving block statistics to %s failed: %s", self.path, exc)
+            return 0
 
     def warmup(self, prompts: Iterable[Any], tokenizer: Any = None) -> dict[str, int]:
         """Pre-populate block statistics and the memory tiers from known prompts; see

@@ -1,0 +1,179 @@
+"""Requests do not wait for the disk while the store writes.
+
+A write's ``COMMIT`` waits for the disk (fsync); so does a statistics save. Both hold
+the index while they do, not the catalog's lock that requests take to match, lease and
+open files. A write whose tree changed while its commit ran (another thread changed it)
+reads the tree again from the index instead of applying its plan to a tree it no longer
+fits. The connection below is the store's real SQLite connection; only its ``COMMIT`` is
+held until the test lets it go.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+from impress_cache import ImpressStore
+from test_budget import prompts
+from test_reorder import _model, assert_reads_exact, cfg, put
+
+WAIT_S = 30.0
+
+
+class _HeldCommit:
+    """The store's SQLite connection; once `armed`, its next ``COMMIT`` signals
+    `reached` and waits for `go`."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.armed = False
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        self.commits = 0
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.armed:
+                self.armed = False
+                self.reached.set()
+                assert self.go.wait(WAIT_S)
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@contextmanager
+def held_commit(store: ImpressStore):
+    index = store.index
+    real = index._conn
+    held = _HeldCommit(real)
+    index._conn = held
+    try:
+        yield held
+    finally:
+        held.go.set()
+        index._conn = real
+
+
+def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - checked by the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _done_while_held(fn, *args) -> Any:
+    """``fn(*args)`` on another thread, which must finish while the commit is held."""
+    t, out = _in_thread(fn, *args)
+    t.join(WAIT_S / 3)
+    assert not t.is_alive(), f"{fn.__name__} waited for the held commit"
+    assert out and not isinstance(out[0], BaseException), out
+    return out[0]
+
+
+def test_requests_match_and_lease_while_a_write_commits(tmp_path):
+    a, b = prompts(1, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        store.match(a)
+        with held_commit(store) as held:
+            held.armed = True
+            writer, failed = _in_thread(put, store, b)
+            assert held.reached.wait(WAIT_S)
+            # the write's transaction is committing: the tree is as it planned (b not yet in it)
+            m = _done_while_held(store.match, a)
+            assert m.length == len(a)
+            lease = _done_while_held(store.lease, [m])
+            assert not lease.stale  # a's files are still indexed
+            lease.release()
+            assert _done_while_held(store.match, b).length < len(b)
+            held.go.set()
+            writer.join(WAIT_S)
+            assert not writer.is_alive() and failed == [None]
+        assert assert_reads_exact(store, b) == len(b)
+        assert assert_reads_exact(store, a) == len(a)
+
+
+def test_a_tree_changed_during_the_commit_is_read_again(tmp_path):
+    a, b, c = prompts(2, 3)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        put(store, c)
+        leaf_c = store.match(c).segments[-1]
+        with held_commit(store) as held:
+            held.armed = True
+            writer, failed = _in_thread(put, store, b)
+            assert held.reached.wait(WAIT_S)
+            catalog = store._catalog
+            with catalog.lock:  # another thread changes the tree meanwhile (here: drops c's leaf from it only)
+                node = next(n for n in catalog.tree.nodes() if n.file_id == leaf_c.file_id and not n.children)
+                catalog.tree.remove(node)
+            assert store.match(c).length < len(c)
+            held.go.set()
+            writer.join(WAIT_S)
+            assert not writer.is_alive() and failed == [None]
+        # the write did not apply its plan to the changed tree: it read the tree from the
+        # index, which has b (just committed) and still has c
+        for toks in (a, b, c):
+            assert assert_reads_exact(store, toks) == len(toks)
+        assert store.stats()["after_commit_failures"] == 0
+
+
+def test_a_statistics_save_is_one_transaction_and_requests_match_meanwhile(tmp_path):
+    a, b = prompts(3, 2)
+    with ImpressStore(tmp_path, _model(), cfg(host_bytes=1 << 20)) as store:
+        put(store, a)
+        put(store, b)
+        for toks in (a, b):
+            m = store.match(toks)
+            store.load(m.segments)  # marks blocks and nodes: statistics to save
+        with held_commit(store) as held:
+            held.armed = True
+            saver, out = _in_thread(store.save_block_stats)
+            assert held.reached.wait(WAIT_S)
+            assert _done_while_held(store.match, a).length == len(a)
+            held.go.set()
+            saver.join(WAIT_S)
+            assert not saver.is_alive()
+            assert out and out[0] > 0  # block rows written
+            assert held.commits == 1  # nodes, importance and blocks in one transaction
+        (n_blocks,) = store.index._conn.execute("SELECT COUNT(*) FROM block_stats").fetchone()
+        (n_nodes,) = store.index._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
+        assert n_blocks == out[0] and n_nodes > 0
+
+
+def test_a_file_removed_while_it_is_opened_is_not_kept(tmp_path):
+    a, b = prompts(4, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        put(store, b)
+        catalog = store._catalog
+        fid = store.match(b).segments[-1].file_id
+        catalog.forget({fid})  # not open yet
+        real = catalog.index.block_table
+
+        def removed_meanwhile(file_id: int):
+            out = real(file_id)
+            with catalog.lock:  # what an eviction's transaction does to the file table
+                catalog._drop_record(file_id)
+            return out
+
+        catalog.index.block_table = removed_meanwhile
+        try:
+            f = catalog.open_file(fid)  # read without the catalog's lock; the file left meanwhile
+        finally:
+            del catalog.index.block_table
+        assert f.record.id == fid
+        assert fid not in catalog._open  # not kept: nobody would forget it again
+        other = store.match(a).segments[-1].file_id
+        assert catalog.open_file(other) is catalog.open_file(other)  # a file still indexed is kept
