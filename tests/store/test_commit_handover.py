@@ -174,6 +174,34 @@ def test_a_file_removed_while_it_is_opened_is_not_kept(tmp_path):
         finally:
             del catalog.index.block_table
         assert f.record.id == fid
-        assert fid not in catalog._open  # not kept: nobody would forget it again
+        assert fid not in catalog.files.ids()  # not kept: nobody would forget it again
         other = store.match(a).segments[-1].file_id
         assert catalog.open_file(other) is catalog.open_file(other)  # a file still indexed is kept
+
+
+def test_a_transaction_started_during_a_commit_plans_from_the_committed_tree(tmp_path):
+    """Another thread's transaction that begins while a write commits (here: a quarantine
+    of the file the write extends) waits until the write has applied its commit to the
+    tree: planned from the tree without it, it would remove the file's node but leave
+    the write's new node below it in the index, without a parent."""
+    a = prompts(5, 1)[0]
+    b = a + [7, 8, 9, 10, 11]
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        fa = store.match(a).segments[-1].file_id
+        with held_commit(store) as held:
+            held.armed = True
+            writer, failed = _in_thread(put, store, b)
+            assert held.reached.wait(WAIT_S)
+            quarantine, out = _in_thread(store.quarantine, fa, "a test")
+            held.go.set()
+            for t in (writer, quarantine):
+                t.join(WAIT_S)
+                assert not t.is_alive()
+            assert failed == [None] and out == [True]
+        store.index.load_tree()  # every node has its parent
+        assert store.match(b).length == 0  # b's node went with the node it extends
+        put(store, b)
+        assert assert_reads_exact(store, b) == len(b)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        assert assert_reads_exact(store, b) == len(b)

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -26,7 +27,7 @@ import numpy as np
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
-from .chunkfiles import FILE_NAME, OpenFile, open_chunk, read_file
+from .chunkfiles import FILE_NAME, OpenFile, OpenFiles
 from .directory import CreationGate
 
 _T = TypeVar("_T")
@@ -60,35 +61,41 @@ def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
 
 
 class _Handover:
-    """A lock held from ``with`` on, let go by `let_go` and taken again by `retake`, and
-    released at the end of the ``with`` if held. A write's index transaction lets the
-    catalog's lock go right before its ``COMMIT``: that waits for the disk (fsync), and
-    requests need the lock to match. The transaction still holds the index's lock, so
-    nobody else commits meanwhile; whoever takes the catalog's lock meanwhile sees the
-    tree as it was planned (the leaves the transaction removes already gone, the new
-    prompt not yet there)."""
+    """The catalog's lock around a write: held from ``with`` on; `let_go`, right before
+    the transaction's ``COMMIT`` (which waits for the disk, while requests need the lock
+    to match), marks the tree unsettled and releases the lock; `retake` takes it again;
+    the end of the ``with`` marks the tree settled (`Catalog.transaction` waits for
+    that) and releases it. Whoever takes the lock meanwhile sees the tree as the write
+    planned it: the leaves it removes already gone, its new prompt not yet there."""
 
-    def __init__(self, lock: threading.RLock) -> None:
-        self._lock = lock
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
         self._held = False
 
     def __enter__(self) -> _Handover:
-        self._lock.acquire()
+        self._catalog.lock.acquire()
         self._held = True
         return self
 
     def let_go(self) -> None:
         if self._held:
-            self._lock.release()
+            self._catalog._unsettled = True
+            self._catalog.lock.release()
             self._held = False
 
     def retake(self) -> None:
         if not self._held:
-            self._lock.acquire()
+            self._catalog.lock.acquire()
             self._held = True
 
     def __exit__(self, *exc: object) -> None:
-        self.let_go()
+        self.retake()
+        try:
+            self._catalog._unsettled = False
+            self._catalog._settled.notify_all()
+        finally:
+            self._held = False
+            self._catalog.lock.release()
 
 
 def _dir_blocks(path: Path) -> int:
@@ -120,18 +127,23 @@ class Catalog:
         #: told the ids of nodes that may have become leaves (``reset``: the tree was
         #: reloaded and these are all its leaves)
         self._on_leaves = on_leaves
-        self._open: dict[int, OpenFile] = {}
         #: `refresh` calls (each a look at the index's data version), for tests and tuning
         self.refreshes = 0
         #: steps after a committed transaction that failed (`after_commit_failed`)
         self.after_commit_failures = 0
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
+        #: a write let the lock go for its ``COMMIT`` and has not yet applied it to the
+        #: tree (`_Handover`); `transaction` waits on ``_settled`` until it has
+        self._unsettled = False
+        self._settled = threading.Condition(self.lock)
         #: bytes of the index file, its shared-memory file and the directories, as last
         #: measured (`disk_bytes`), and how often they were used since
         self._fixed: int | None = None
         self._fixed_uses = 0
         self.chunks_fd = os.open(self.chunks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        #: the chunk files this process has looked up
+        self.files = OpenFiles(self.lock, index, self.chunks, self.chunks_fd, row_bytes, lambda: self.records)
         #: held (shared) from before a chunk file is created until it is committed or removed
         self.gate = CreationGate(root, 0 if index.read_only else os.stat(index.path).st_mode & 0o777, index.read_only)
         self.tree: RadixTree
@@ -163,10 +175,7 @@ class Catalog:
 
     def close(self) -> None:
         with self.lock:
-            for f in self._open.values():
-                if f.fd is not None:
-                    os.close(f.fd)
-            self._open.clear()
+            self.files.drop(self.files.ids())
             os.close(self.chunks_fd)
             self.gate.close()
 
@@ -184,8 +193,22 @@ class Catalog:
         `Index.changed_elsewhere`)."""
         with self.lock:
             self.refreshes += 1
-            if self.index.changed_elsewhere(wait) or self._stale:
+            # (``wait``: a transaction's look, which reloads a tree a write has not yet
+            # brought up to its commit; a request's look needs only a consistent tree)
+            if self.index.changed_elsewhere(wait) or self._stale or (wait and self._unsettled):
                 self.reload_tree()
+
+    @contextmanager
+    def transaction(self, durable: bool = True) -> Iterator[Any]:
+        """An index transaction (`Index.transaction`) that plans from a tree that follows
+        the index: the caller holds the catalog's lock; a write that let it go for its
+        ``COMMIT`` is waited for until it has applied that to the tree (the wait lets
+        the lock go), then the tree is refreshed under the write lock (nobody commits
+        between that and this transaction's commit)."""
+        self._settled.wait_for(lambda: not self._unsettled)
+        with self.index.transaction(durable) as conn:
+            self.refresh()
+            yield conn
 
     #: whether the tree may not follow the index (the next `refresh` reloads it)
     stale = property(lambda self: self._stale)
@@ -200,8 +223,9 @@ class Catalog:
         with self.lock:
             self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
-            self._stale = False
-            self.forget({fid for fid in self._open if fid not in self.records})
+            # (the index's state after any commit that let the lock go: it needs the index)
+            self._stale = self._unsettled = False
+            self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
         self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None, budget: int | None = None
@@ -222,7 +246,7 @@ class Catalog:
         """
         arr = as_tokens(tokens)
         removal: list = []
-        with _Handover(self.lock) as hand:
+        with _Handover(self) as hand:
             try:
                 try:
                     staged = self._index_prompt(arr, matched, new_file, budget, removal, hand.let_go)
@@ -239,9 +263,12 @@ class Catalog:
             try:
                 if self.tree is tree and tree.version == version:
                     leaf = self._follow_prompt(plan, ids, file_id, record)
-                else:  # changed while the commit ran (another writer, a reload): read it again
-                    self.reload_tree()
+                else:  # changed while the commit ran: a reload (which saw the commit) or else
+                    if self.tree is tree:
+                        self.reload_tree()
                     leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
+                    if plan.split is not None:  # the halves keep the split node's statistics
+                        self._on_split(plan.split[0].id, (ids["upper"], ids["lower"]), plan.split[1])
                 if removal and removal[0] is not None:
                     removal[0].settle()
             except BaseException as exc:
@@ -279,8 +306,7 @@ class Catalog:
         committed, the prefix changed). ``before_commit`` runs last inside the
         transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
-        with self.index.transaction() as conn:
-            self.refresh()  # under the write lock: nobody commits between this and ours
+        with self.transaction() as conn:
             now_m = self.tree.match(arr).length
             if new_file is not None and now_m < matched:
                 log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
@@ -370,8 +396,7 @@ class Catalog:
     def _index_replacement(
         self, node: RadixNode, new_file: NewFile
     ) -> tuple[RadixNode, int, int, FileRecord, list[FileRecord]] | None:
-        with self.index.transaction() as conn:
-            self.refresh()  # under the write lock: nobody commits between this and ours
+        with self.transaction() as conn:
             current = self.tree.get(node.id)
             if (
                 current is None or current.parent is None or current.file_id != node.file_id
@@ -401,35 +426,12 @@ class Catalog:
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
-        """The block table of a file, checked against the store's naming rules. The index
-        is read without the catalog's lock (it may wait for a write's commit, and
-        requests need the lock to match); the first of two threads opening the same
-        file meanwhile installs it."""
-        with self.lock:
-            f = self._open.get(file_id)
-            if f is not None:
-                return f
-            known = self.records.get(file_id)
-        f = read_file(self.index, self.chunks, self._row_bytes, file_id, known)
-        with self.lock:
-            if known is not None and file_id not in self.records:
-                return f  # removed meanwhile: not kept (its forget has run or is due)
-            return self._open.setdefault(file_id, f)
+        """The block table of a file (`OpenFiles.get`)."""
+        return self.files.get(file_id)
 
     def fd(self, f: OpenFile) -> int:
-        """A read-only descriptor of a chunk file (`open_chunk`), opened without the
-        catalog's lock (an ``open`` waits for the directory, which a write's rename or a
-        deletion may hold); the first of two threads opening it meanwhile installs its
-        descriptor, the other closes its own."""
-        if f.fd is not None:
-            return f.fd
-        fd = open_chunk(f, self.chunks_fd)
-        with self.lock:
-            if f.fd is None:
-                f.fd, fd = fd, -1
-        if fd >= 0:
-            os.close(fd)
-        return f.fd
+        """A read-only descriptor of a chunk file (`OpenFiles.fd`)."""
+        return self.files.fd(f)
 
     def perm_of(self, file_id: int) -> np.ndarray | None:
         """The row permutation of a reordered file (``None``: rows in prompt order)."""
@@ -450,10 +452,7 @@ class Catalog:
         if not ids:
             return
         with self.lock:
-            for fid in ids:
-                f = self._open.pop(fid, None)
-                if f is not None and f.fd is not None:
-                    os.close(f.fd)
+            self.files.drop(ids)
             self._on_forget(ids, {r.id: r for r in records if r.id in ids})
 
     def drop_unreferenced_files(self, conn: object) -> list[FileRecord]:

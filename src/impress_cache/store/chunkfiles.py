@@ -1,14 +1,16 @@
-"""The chunk files a store opens: their block tables, read from the index and checked
-against the store's naming rules, their descriptors, and a match checked against what
-its files say about themselves."""
+"""The chunk files a store opens (`OpenFiles`, the catalog's open-file table): their
+block tables, read from the index and checked against the store's naming rules, their
+descriptors, and a match checked against what its files say about themselves."""
 
 from __future__ import annotations
 
 import os
 import re
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +75,67 @@ def open_chunk(f: OpenFile, chunks_fd: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class OpenFiles:
+    """The chunk files this process has looked up, by id, under the catalog's ``lock``.
+    The index is read and the files are opened without that lock (a read may wait for a
+    write's commit, an ``open`` for the directory, which a write's rename or a deletion
+    may hold; requests need the lock to match): the first of two threads meanwhile
+    installs what it got, the other drops its own."""
+
+    def __init__(
+        self, lock: Any, index: Index, chunks: Path, chunks_fd: int, row_bytes: tuple[int, int],
+        records: Callable[[], FileTable],
+    ) -> None:
+        self._lock, self._index, self._chunks, self._chunks_fd = lock, index, chunks, chunks_fd
+        self._row_bytes, self._records = row_bytes, records
+        self._open: dict[int, OpenFile] = {}
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return list(self._open)
+
+    def get(self, file_id: int) -> OpenFile:
+        """The block table of a file, checked against the store's naming rules
+        (`read_file`). A file that leaves the catalog's file table (``records()``) while
+        it is read is returned but not kept."""
+        with self._lock:
+            f = self._open.get(file_id)
+            if f is not None:
+                return f
+            known = self._records().get(file_id)
+        f = read_file(self._index, self._chunks, self._row_bytes, file_id, known)
+        with self._lock:
+            if known is not None and file_id not in self._records():
+                return f  # removed meanwhile: not kept (its `drop` has run or is due)
+            return self._open.setdefault(file_id, f)
+
+    def fd(self, f: OpenFile) -> int:
+        """A read-only descriptor of ``f``'s file (`open_chunk`); `CorruptBlockError`
+        when ``f`` was dropped (its file removed)."""
+        if f.fd is not None:
+            return f.fd
+        fd = open_chunk(f, self._chunks_fd)
+        with self._lock:
+            kept = self._open.get(f.record.id) is f
+            if kept and f.fd is None:
+                f.fd, fd = fd, -1
+        if fd >= 0:
+            os.close(fd)
+        if not kept:
+            raise CorruptBlockError(f"chunk file {f.path} was removed", f.record.id)
+        return f.fd
+
+    def drop(self, file_ids: Iterable[int]) -> None:
+        """Forget files and close their descriptors (a reader that still has one of them
+        gets no reused descriptor number from `fd`: it raises)."""
+        with self._lock:
+            for fid in file_ids:
+                f = self._open.pop(fid, None)
+                if f is not None and f.fd is not None:
+                    os.close(f.fd)
+                    f.fd = None
 
 
 def check_match(records: FileTable, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:

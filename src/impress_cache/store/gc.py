@@ -69,8 +69,7 @@ class StoreGC:
             return True
         with catalog.lock:
             try:
-                with catalog.index.transaction() as conn:
-                    catalog.refresh()
+                with catalog.transaction() as conn:
                     removed = self._remove_dependents(file_id, lambda node: catalog.remove(conn, node))
                     record = catalog.records.get(file_id) or catalog.index.file(file_id)
                     dropped = catalog.drop_unreferenced_files(conn)
@@ -229,10 +228,9 @@ class StoreGC:
             # not fsynced: a removal a power cut undoes leaves rows whose file is gone,
             # which reads treat as a damaged file (quarantine, recompute); the next
             # durable commit makes it durable
-            with catalog.index.transaction(durable=False) as conn:
-                # under the write lock: a leaf another process extended since the refresh
-                # above is seen to have children now (its removal would orphan them)
-                catalog.refresh()
+            # (refreshed under the write lock: a leaf another process extended since the
+            # refresh above is seen to have children now; its removal would orphan them)
+            with catalog.transaction(durable=False) as conn:
                 used += catalog.chunk_bytes - chunk_bytes  # another process's files, if it reloaded
                 victims, dropped, back, exhausted = self._remove_leaves(conn, budget, used, protected)
         except BaseException:

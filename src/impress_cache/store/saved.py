@@ -42,10 +42,12 @@ class DeferredLoad:
     statistics (never while it holds its own lock), and the writer thread calls it as one
     of its first jobs; the store calls `defer` while it opens, which reads nothing.
 
-    Lock order: ``guard`` (the catalog's lock, held by every index transaction) first,
-    then the owner's ``lock``; both are held around the read and the install. A thread
-    inside an index transaction that calls in holds the guard already, and a thread that
-    waits for the guard holds neither lock, so the two never wait for each other. A
+    Lock order: ``guard`` (the catalog's lock, held by every index transaction that
+    changes the tree until its ``COMMIT``) first, then the owner's ``lock``; both are
+    held around the read and the install. A thread inside such a transaction that calls
+    in holds the guard already, and a thread that waits for the guard holds neither
+    lock, so the two never wait for each other. (A statistics save holds the index
+    without the guard: it calls nothing that takes it, and must not.) A
     caller that finds the statistics pending waits for the thread reading them; `pending`
     turns False only once ``install`` has returned, so a caller never sees half of them.
 
