@@ -10,7 +10,9 @@ held until the test lets it go.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +30,7 @@ class _HeldCommit:
     def __init__(self, conn: Any) -> None:
         self._conn = conn
         self.armed = False
+        self.fail = False  # the held COMMIT fails (as on a full disk) instead
         self.reached = threading.Event()
         self.go = threading.Event()
         self.commits = 0
@@ -39,6 +42,8 @@ class _HeldCommit:
                 self.armed = False
                 self.reached.set()
                 assert self.go.wait(WAIT_S)
+                if self.fail:
+                    raise sqlite3.OperationalError("disk I/O error")
         return self._conn.execute(sql, *args)
 
     def __getattr__(self, name: str) -> Any:
@@ -70,6 +75,14 @@ def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, out
+
+
+def _waiting(store: ImpressStore) -> None:
+    """Until a thread waits in `Catalog.transaction` for the held write."""
+    deadline = time.monotonic() + WAIT_S
+    while not store._catalog._settled._waiters:
+        assert time.monotonic() < deadline, "nobody waits for the write"
+        time.sleep(0.001)
 
 
 def _done_while_held(fn, *args) -> Any:
@@ -194,6 +207,8 @@ def test_a_transaction_started_during_a_commit_plans_from_the_committed_tree(tmp
             writer, failed = _in_thread(put, store, b)
             assert held.reached.wait(WAIT_S)
             quarantine, out = _in_thread(store.quarantine, fa, "a test")
+            _waiting(store)  # (without the catalog's lock: requests match meanwhile)
+            assert _done_while_held(store.match, a).length == len(a)
             held.go.set()
             for t in (writer, quarantine):
                 t.join(WAIT_S)
@@ -204,4 +219,52 @@ def test_a_transaction_started_during_a_commit_plans_from_the_committed_tree(tmp
         put(store, b)
         assert assert_reads_exact(store, b) == len(b)
     with ImpressStore(tmp_path, _model(), cfg()) as store:
+        assert assert_reads_exact(store, b) == len(b)
+
+
+def test_a_commit_that_fails_after_the_lock_was_let_go(tmp_path):
+    """The write's COMMIT fails (disk I/O error) while another transaction waits for it:
+    the write is counted as failed, the leaf its transaction evicted is back in the tree,
+    the waiter goes on, and the store keeps working."""
+    a, b = prompts(6, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        store.config.disk_bytes = store.disk_bytes()  # b's write must evict a
+        with held_commit(store) as held:
+            held.armed = held.fail = True
+            writer, failed = _in_thread(put, store, b)
+            assert held.reached.wait(WAIT_S)
+            assert store.match(a).length == 0  # planned: a's leaf is out of the tree
+            waiter, out = _in_thread(store._catalog.refresh)  # (a look that waits for the write)
+            _waiting(store)
+            held.go.set()
+            for t in (writer, waiter):
+                t.join(WAIT_S)
+                assert not t.is_alive()
+        assert store.stats()["write_failures"] == 1
+        assert store._catalog._unsettled == 0 and out == [None]
+        store.config.disk_bytes = None
+        assert assert_reads_exact(store, a) == len(a)  # rolled back: a is stored still
+        assert store.match(b).length < len(b)
+        put(store, b)
+        assert assert_reads_exact(store, b) == len(b)
+
+
+def test_a_write_waits_for_a_statistics_save_without_the_catalog_lock(tmp_path):
+    a, b = prompts(7, 2)
+    with ImpressStore(tmp_path, _model(), cfg(host_bytes=1 << 20)) as store:
+        put(store, a)
+        store.load(store.match(a).segments)  # statistics to save
+        with held_commit(store) as held:
+            held.armed = True
+            saver, saved = _in_thread(store.save_block_stats)
+            assert held.reached.wait(WAIT_S)  # the save holds the index
+            writer, failed = _in_thread(put, store, b)
+            _waiting(store)  # the write waits for the save, without the catalog's lock
+            assert _done_while_held(store.match, a).length == len(a)
+            held.go.set()
+            for t in (saver, writer):
+                t.join(WAIT_S)
+                assert not t.is_alive()
+            assert failed == [None] and saved[0] > 0
         assert assert_reads_exact(store, b) == len(b)

@@ -1,5 +1,5 @@
 """The SQLite index's schema (docs: Storage format, The SQLite index); `sqlite.py`
-creates it and is the only module that runs SQL."""
+creates it, and it and `stats_tables.py` are the only modules that run SQL."""
 
 SCHEMA_VERSION = "3"
 #: bytes the WAL keeps after a checkpoint that emptied it (``PRAGMA journal_size_limit``)

@@ -155,6 +155,8 @@ class Index(StatisticsTables):
             raise ReadOnlyStoreError(f"the store of {self.path} is open read-only; it writes nothing")
         with self._lock:
             if not durable:
+                if self._conn.in_transaction:  # (left open by an interrupted one: no PRAGMA inside it)
+                    self._conn.execute("ROLLBACK")
                 self._conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 with self._transaction() as conn:

@@ -70,7 +70,7 @@ class _Handover:
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
-        self._held = False
+        self._held = self._went = False
 
     def __enter__(self) -> _Handover:
         self._catalog.lock.acquire()
@@ -79,7 +79,8 @@ class _Handover:
 
     def let_go(self) -> None:
         if self._held:
-            self._catalog._unsettled = True
+            self._catalog._unsettled += 1
+            self._went = True
             self._catalog.lock.release()
             self._held = False
 
@@ -91,8 +92,10 @@ class _Handover:
     def __exit__(self, *exc: object) -> None:
         self.retake()
         try:
-            self._catalog._unsettled = False
-            self._catalog._settled.notify_all()
+            if self._went:
+                self._went = False
+                self._catalog._unsettled -= 1
+                self._catalog._settled.notify_all()
         finally:
             self._held = False
             self._catalog.lock.release()
@@ -133,9 +136,11 @@ class Catalog:
         self.after_commit_failures = 0
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
-        #: a write let the lock go for its ``COMMIT`` and has not yet applied it to the
-        #: tree (`_Handover`); `transaction` waits on ``_settled`` until it has
-        self._unsettled = False
+        #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
+        #: to the tree (`_Handover`), and statistics saves that hold the index without
+        #: the lock (`aside`): `transaction` waits on ``_settled`` until there are none
+        self._unsettled = 0
+        self._aside = 0
         self._settled = threading.Condition(self.lock)
         #: bytes of the index file, its shared-memory file and the directories, as last
         #: measured (`disk_bytes`), and how often they were used since
@@ -192,23 +197,42 @@ class Catalog:
         """Reload the tree if another process changed the index (``wait``: see
         `Index.changed_elsewhere`)."""
         with self.lock:
+            if wait and not self.index.in_transaction():  # (inside one, nothing is unsettled)
+                self._settled.wait_for(self._clear)
             self.refreshes += 1
-            # (``wait``: a transaction's look, which reloads a tree a write has not yet
-            # brought up to its commit; a request's look needs only a consistent tree)
-            if self.index.changed_elsewhere(wait) or self._stale or (wait and self._unsettled):
+            if self.index.changed_elsewhere(wait) or self._stale:
                 self.reload_tree()
+
+    def _clear(self) -> bool:
+        return not self._unsettled and not self._aside
 
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[Any]:
         """An index transaction (`Index.transaction`) that plans from a tree that follows
-        the index: the caller holds the catalog's lock; a write that let it go for its
-        ``COMMIT`` is waited for until it has applied that to the tree (the wait lets
-        the lock go), then the tree is refreshed under the write lock (nobody commits
+        the index. The caller holds the catalog's lock. A write that let it go for its
+        ``COMMIT`` is waited for until it has applied that to the tree, and a statistics
+        save until it is done (`aside`); the wait lets the lock go, so requests match
+        meanwhile. Then the tree is refreshed under the write lock (nobody commits
         between that and this transaction's commit)."""
-        self._settled.wait_for(lambda: not self._unsettled)
+        self._settled.wait_for(self._clear)
         with self.index.transaction(durable) as conn:
             self.refresh()
             yield conn
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Around a transaction that holds the index without the catalog's lock (a
+        statistics save, which must take nothing that waits for that lock): a
+        `transaction` that begins meanwhile waits for it without the lock, instead of
+        waiting for the index with it, which would hold up requests."""
+        with self.lock:
+            self._aside += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._aside -= 1
+                self._settled.notify_all()
 
     #: whether the tree may not follow the index (the next `refresh` reloads it)
     stale = property(lambda self: self._stale)
@@ -223,8 +247,7 @@ class Catalog:
         with self.lock:
             self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
-            # (the index's state after any commit that let the lock go: it needs the index)
-            self._stale = self._unsettled = False
+            self._stale = False
             self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
@@ -267,8 +290,9 @@ class Catalog:
                     if self.tree is tree:
                         self.reload_tree()
                     leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
-                    if plan.split is not None:  # the halves keep the split node's statistics
-                        self._on_split(plan.split[0].id, (ids["upper"], ids["lower"]), plan.split[1])
+                    halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
+                    if halves and all(self.tree.get(h) is not None for h in halves):
+                        self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
                 if removal and removal[0] is not None:
                     removal[0].settle()
             except BaseException as exc:

@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ContextManager
 
 import numpy as np
 
@@ -78,6 +79,7 @@ class StatsKeeper:
         background: Callable[[Callable[[], Any]], None],
         importance: ImportanceStats | None = None,
         guard: Any = None,
+        aside: Callable[[], ContextManager[None]] = nullcontext,
     ) -> None:
         self._index = index
         self._tiers = tiers
@@ -85,6 +87,9 @@ class StatsKeeper:
         self._importance = importance
         #: held around reading the deferred node statistics (the catalog's lock)
         self._guard = guard if guard is not None else threading.RLock()
+        #: around the save's transaction, which holds the index but not the guard
+        #: (`Catalog.aside`: the catalog's transactions wait for it without their lock)
+        self._aside = aside
         self._interval = interval_s
         self._background = background
         self._lock = threading.Lock()
@@ -122,7 +127,8 @@ class StatsKeeper:
         try:
             blocks = self._tiers.export_stats(dirty) if dirty else {}
             saved_at = time.time()
-            return self._index.save_statistics(saved_at, nodes, importance, blocks)[2]
+            with self._aside():
+                return self._index.save_statistics(saved_at, nodes, importance, blocks)[2]
         except BaseException:
             # nothing is lost: what was to be saved stays marked for the next save (a
             # part that was written meanwhile is written again, harmlessly)

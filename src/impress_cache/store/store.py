@@ -168,7 +168,7 @@ class ImpressStore:
         )
         self._stats = StatsKeeper(
             index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background,
-            self._importance, self._catalog.lock,
+            self._importance, self._catalog.lock, self._catalog.aside,
         )
         self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
             self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
