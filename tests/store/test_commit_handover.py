@@ -18,7 +18,7 @@ from typing import Any
 
 from impress_cache import ImpressStore
 from test_budget import prompts
-from test_reorder import _model, assert_reads_exact, cfg, put
+from test_reorder import _model, assert_reads_exact, cfg, kv_of, put
 
 WAIT_S = 30.0
 
@@ -268,3 +268,16 @@ def test_a_write_waits_for_a_statistics_save_without_the_catalog_lock(tmp_path):
                 assert not t.is_alive()
             assert failed == [None] and saved[0] > 0
         assert assert_reads_exact(store, b) == len(b)
+
+
+def test_put_async_does_not_wait_for_the_catalog_lock(tmp_path):
+    """Handing a prompt to the writer (and opening the store, which hands it the
+    crash-leftover scan) takes the writer's own lock, not the catalog's, which a job on
+    the writer thread (the deferred statistics reads at open) may hold for long."""
+    a = prompts(8, 1)[0]
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        ks, vs = kv_of(a)
+        with store._catalog.lock:  # held here: the other thread's put_async returns all the same
+            fut = _done_while_held(store.put_async, a, ks, vs)
+        fut.result(WAIT_S)
+        assert assert_reads_exact(store, a) == len(a)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -82,6 +83,9 @@ class PromptWriter:
         self._on_written = on_written
         self._activity = activity
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-write")
+        #: the jobs a `flush` waits for, and ``_scan_error``, under a lock of their own
+        #: (not the catalog's: a job the writer thread runs may hold that one for long)
+        self._jobs_lock = threading.Lock()
         self._pending: list[Future[None]] = []
         self.counters = WriteCounters()
         self._warned = False
@@ -94,7 +98,7 @@ class PromptWriter:
         arr = as_tokens(tokens).copy()
         check_kv(self._spec, len(arr), keys, values)
         fut = self._pool.submit(self._write_logged, arr, keys, values)
-        with self._catalog.lock:
+        with self._jobs_lock:
             # finished writes are dropped unless they failed: flush() re-raises those
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
         return fut
@@ -110,7 +114,7 @@ class PromptWriter:
             if self._scan is None:
                 return
         fut = self._pool.submit(self._try_scan)
-        with self._catalog.lock:
+        with self._jobs_lock:
             self._pending.append(fut)
 
     def _try_scan(self) -> None:
@@ -132,7 +136,7 @@ class PromptWriter:
         write) is raised once every job has finished."""
         error: BaseException | None = None
         while True:
-            with self._catalog.lock:
+            with self._jobs_lock:
                 pending, self._pending = self._pending, []
                 error, self._scan_error = error or self._scan_error, None
             if not pending:
@@ -152,7 +156,7 @@ class PromptWriter:
                 self._try_scan()
             except Exception as exc:  # noqa: BLE001 - never fails the write; not tried again, raised by flush
                 log.exception("removing crash leftovers from %s failed", self._catalog.chunks)
-                with self._catalog.lock:
+                with self._jobs_lock:
                     self._scan_error = exc
         if self._activity is not None:
             self._activity.enter()
