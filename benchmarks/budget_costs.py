@@ -7,7 +7,8 @@ per write by table.
 
 Writes run on the calling thread (`PromptWriter.write`, the removals and the check after
 it included; no requests meanwhile), in windows of ``--writes`` below and at the budget,
-in pairs (at, at, below, below, at, ...), after one unmeasured window at the budget (the
+in pairs of one of each, their order alternating (at, below, below, at, at, ...), after one
+unmeasured window at the budget (the
 eviction heap's start); each window ends by waiting for the evicted files' deletion.
 CPU per write is the calling thread's and the deleting thread's (``/proc``). Parts are
 timed with the thread's CPU clock around the store's own methods (they nest: the
@@ -72,10 +73,10 @@ def _timed(acc: dict, mode: list[str]) -> None:
 UNLINK = "deleting the removed files (their own thread)"
 
 
-def _unlink_cpu(unlinker: Any) -> float:
+def _unlink_cpu(store: ImpressStore) -> float:
     """CPU seconds of the thread that deletes evicted files so far (0 before it starts)."""
-    thread = unlinker._thread
-    return scale._thread_cpu_s(thread.native_id) if thread is not None and thread.native_id else 0.0
+    tid = scale.unlink_thread_id(store)
+    return scale._thread_cpu_s(tid) if tid is not None else 0.0
 
 
 def _wal_pages(index: Index) -> collections.Counter:
@@ -108,14 +109,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         evicted = {"below": 0, "at": 0}
         counted = {"below": 0, "at": 0}  # writes whose WAL pages were counted
         for w in range(2 * args.windows + 1):
-            mode[0] = "warm" if w == 0 else ("below", "at")[(w + (w // 2) % 2) % 2]
+            pair, second = divmod(w - 1, 2)  # (every pair has one window of each kind)
+            mode[0] = "warm" if w == 0 else (("at", "below") if pair % 2 == 0 else ("below", "at"))[second]
             at = mode[0] != "below"
             index.checkpoint()  # (an empty WAL: a window's frames are its writes')
             store._catalog.remeasure()  # (the checkpoint grew the index file)
             store.config.disk_bytes = store._gc._used(wal_bound(store.disk_bytes())) if at else None
             before, sizes = store.stats()["prefixes_evicted"], [0]
             unlinker = store._leases.unlinker
-            unlink0 = _unlink_cpu(unlinker)
+            unlink0 = _unlink_cpu(store)
             for j in range(args.writes):
                 toks = as_tokens(prompts(written + j)).copy()
                 ks, vs = scale._kv(len(toks), kv)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 total[mode[0]] += time.thread_time() - c0
                 sizes.append(index.wal_bytes())
             unlinker.drain()  # (the window's evicted files deleted: their CPU counted)
-            unlink_cpu = _unlink_cpu(unlinker) - unlink0
+            unlink_cpu = _unlink_cpu(store) - unlink0
             total[mode[0]] += unlink_cpu
             acc[(mode[0], UNLINK)] += unlink_cpu
             written += args.writes

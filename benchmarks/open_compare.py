@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import _OPEN  # noqa: E402 - the same open as the scale benchmark's
+from scale import open_once  # noqa: E402 - the same open as the scale benchmark's
 
 
-def open_once(store: Path, src: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run([sys.executable, "-c", _OPEN, str(store), "bare"], capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def commit_of(src: Path) -> str | None:
+    """The commit of the checkout ``src`` belongs to (``None`` outside git)."""
+    out = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def main() -> None:
@@ -46,10 +43,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {str(s): [] for s in args.src}
     for _ in range(args.rounds):
         for src in args.src:
-            runs[str(src)].append(open_once(args.store, src))
+            runs[str(src)].append(open_once(args.store, "bare", src))
     result = {"benchmark": "open_compare", "store": str(args.store), "rounds": args.rounds, "versions": {}}
     for src, rs in runs.items():
         result["versions"][src] = {
+            "commit": commit_of(Path(src)),
             "open_s_best": min(r["open_s"] for r in rs),
             "open_s_median": statistics.median(r["open_s"] for r in rs),
             "ready_s_median": statistics.median(r["ready_s"] for r in rs),

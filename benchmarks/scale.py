@@ -225,10 +225,16 @@ def store_cpu_s(store: ImpressStore) -> dict[int, float]:
     runs between writes) and the thread that deletes evicted files. What the writes cost
     in CPU, whatever else the shared machine runs meanwhile."""
     ids = [store._writer._pool.submit(threading.get_native_id).result()]
-    unlinker = store._leases.unlinker._thread
-    if unlinker is not None and unlinker.native_id is not None:
-        ids.append(unlinker.native_id)
+    unlinker = unlink_thread_id(store)
+    if unlinker is not None:
+        ids.append(unlinker)
     return {i: _thread_cpu_s(i) for i in ids}
+
+
+def unlink_thread_id(store: ImpressStore) -> int | None:
+    """The native id of the thread that deletes evicted files (``None`` before it starts)."""
+    thread = store._leases.unlinker._thread
+    return thread.native_id if thread is not None and thread.native_id else None
 
 
 def _summary(windows: list[dict]) -> dict:
@@ -325,18 +331,25 @@ print(json.dumps(out))
 """
 
 
+def open_once(path: Path, mode: str = "bare", src: Path | None = None) -> dict:
+    """`_OPEN` of the store at ``path`` in a fresh process (``mode``: ``bare``, no memory
+    tiers, or ``tiers``), with the package from ``src`` (default: this checkout's)."""
+    src = src if src is not None else Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run([sys.executable, "-c", _OPEN, str(path), mode], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def open_cost(path: Path) -> dict:
     """Open without memory tiers (``device_bytes=host_bytes=0``: the tree, the file table
     and the node statistics) and, for the RSS only, with the default tiers (which also
     load the saved block statistics of the requests that ran)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     runs: dict[str, list[dict]] = {"bare": [], "tiers": []}
     for _ in range(3):
         for mode in runs:
-            out = subprocess.run([sys.executable, "-c", _OPEN, str(path), mode], capture_output=True, text=True, env=env)
-            if out.returncode != 0:
-                raise RuntimeError(out.stderr)
-            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[mode].append(open_once(path, mode))
     best = min(runs["bare"], key=lambda r: r["open_s"])
     best["open_s_median"] = statistics.median(r["open_s"] for r in runs["bare"])
     best["ready_s_median"] = statistics.median(r["ready_s"] for r in runs["bare"])
@@ -425,7 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
     return {
         "benchmark": "scale",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "note": "shared with other jobs"},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
         "torch_threads": 1,
         "fsync": not args.no_fsync,
         "sizes": results,

@@ -237,8 +237,7 @@ def test_statistics_go_with_their_node_and_file_also_in_an_older_index(tmp_path)
     with index.transaction() as conn:
         fids = [index.add_file(conn, new_file(np.arange(4) + 10 * i, 0)) for i in range(2)]
         nodes = [index.add_node(conn, 0, fid, 0, 4, 1) for fid in fids]
-    index.save_node_stats({n: {"count": 1} for n in nodes}, 0.0)
-    index.save_block_stats({(fid, 0, 0, 0): {"count": 1} for fid in fids}, 0.0)
+    index.save_statistics(0.0, nodes={n: {"count": 1} for n in nodes}, blocks={(fid, 0, 0, 0): {"count": 1} for fid in fids})
     with index.transaction() as conn:
         index.delete_node(conn, nodes[0])
         assert index.delete_file_if_unreferenced(conn, fids[0])

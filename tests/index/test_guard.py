@@ -41,10 +41,10 @@ def test_a_wrong_call_is_raised_as_it_is(tmp_path):
     index, file_id = _index_with_a_file(tmp_path)
     # a bad value handed to a method that writes: our bug, not a damaged index
     with pytest.raises(ValueError) as err:
-        index.save_node_stats({1: {"count": "many"}}, 0.0)
+        index.save_statistics(0.0, nodes={1: {"count": "many"}})
     assert not isinstance(err.value, ImpressError)
     with pytest.raises(TypeError) as err:
-        index.save_importance({1: (np.zeros((1, 2)), 1.0, None)}, 0.0)
+        index.save_statistics(0.0, importance={1: (np.zeros((1, 2)), 1.0, None)})
     assert not isinstance(err.value, ImpressError)
     index.close()
     # SQLite's ProgrammingError (here: a closed connection) is a wrong call too

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from impress_cache import ImpressStore
@@ -136,6 +137,11 @@ def test_drain_does_not_wait_for_files_to_gather(monkeypatch):
     unlinker = leases.Unlinker(gone.append)
     try:
         for name in ("a", "b"):  # the second arrives while the thread sleeps, idle
+            if name == "b":  # (the thread back in its idle wait, nothing pending)
+                deadline = time.monotonic() + 60
+                while not unlinker._cv._waiters or unlinker._busy or unlinker._names:
+                    assert time.monotonic() < deadline, "the unlink thread never went idle"
+                    time.sleep(0.001)
             unlinker(name)
             done = threading.Thread(target=unlinker.drain, daemon=True)
             done.start()

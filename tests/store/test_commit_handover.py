@@ -34,10 +34,12 @@ class _HeldCommit:
         self.reached = threading.Event()
         self.go = threading.Event()
         self.commits = 0
+        self.level = -1  # SQLite's synchronous setting at the last COMMIT
 
     def execute(self, sql: str, *args: Any) -> Any:
         if sql == "COMMIT":
             self.commits += 1
+            self.level = self._conn.execute("PRAGMA synchronous").fetchone()[0]  # (1: NORMAL, 2: FULL)
             if self.armed:
                 self.armed = False
                 self.reached.set()
@@ -96,7 +98,7 @@ def _done_while_held(fn, *args) -> Any:
 
 def test_requests_match_and_lease_while_a_write_commits(tmp_path):
     a, b = prompts(1, 2)
-    with ImpressStore(tmp_path, _model(), cfg()) as store:
+    with ImpressStore(tmp_path, _model(), cfg(fsync=True)) as store:
         put(store, a)
         store.match(a)
         with held_commit(store) as held:
@@ -113,6 +115,7 @@ def test_requests_match_and_lease_while_a_write_commits(tmp_path):
             held.go.set()
             writer.join(WAIT_S)
             assert not writer.is_alive() and failed == [None]
+            assert held.level == 2  # a prompt's commit waits for the disk (synchronous=FULL)
         assert assert_reads_exact(store, b) == len(b)
         assert assert_reads_exact(store, a) == len(a)
 
@@ -160,6 +163,7 @@ def test_a_statistics_save_is_one_transaction_and_requests_match_meanwhile(tmp_p
             assert not saver.is_alive()
             assert out and out[0] > 0  # block rows written
             assert held.commits == 1  # nodes, importance and blocks in one transaction
+            assert held.level == 1  # that does not wait for the disk (synchronous=NORMAL)
         (n_blocks,) = store.index._conn.execute("SELECT COUNT(*) FROM block_stats").fetchone()
         (n_nodes,) = store.index._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
         assert n_blocks == out[0] and n_nodes > 0
@@ -188,6 +192,7 @@ def test_a_file_removed_while_it_is_opened_is_not_kept(tmp_path):
             del catalog.index.block_table
         assert f.record.id == fid
         assert fid not in catalog.files.ids()  # not kept: nobody would forget it again
+        assert catalog.fd(f) is None and f.fd is None  # no descriptor kept with it either
         other = store.match(a).segments[-1].file_id
         assert catalog.open_file(other) is catalog.open_file(other)  # a file still indexed is kept
 

@@ -70,8 +70,6 @@ def test_saved_node_values_come_back(tmp_path, policy, install):
 def test_a_request_before_the_writer_thread_gets_the_saved_values_first(tmp_path, monkeypatch):
     """Opening does not read the node statistics (the writer thread does, as its first
     job); a request that comes before it reads them itself, and its access counts on top."""
-
-
     toks = _prompts()[2]
     with ImpressStore(tmp_path, _model(), cfg(policy="lfu")) as store:
         for p in _prompts():

@@ -41,16 +41,6 @@ class StatisticsTables:
     _lock: Any
     transaction: Any
 
-    # -- block statistics (cold start of the memory tiers) ------------------------------
-    def save_block_stats(self, records: dict[BlockKey, dict[str, Any]], saved_at: float) -> int:
-        """Upsert per-block statistics in one transaction; blocks of unknown files are skipped.
-
-        ``records`` maps a block key to a policy record (``count``, ``freq``, ``share``,
-        ``age_s``, ``seq``) as of ``saved_at`` (wall-clock seconds). Returns the number
-        of rows written.
-        """
-        return self.save_statistics(saved_at, blocks=records)[2]
-
     def save_statistics(
         self,
         saved_at: float,
@@ -58,8 +48,11 @@ class StatisticsTables:
         importance: dict[int, tuple[np.ndarray, float, int]] | None = None,
         blocks: dict[BlockKey, dict[str, Any]] | None = None,
     ) -> tuple[int, int, int]:
-        """Node statistics, node importance and block statistics (each as for its
-        ``save_*``) upserted in one transaction that does not wait for the disk
+        """Upsert node statistics (``node -> policy record``: ``count``, ``freq``,
+        ``share``, ``age_s``, ``seq``, as of ``saved_at``, wall-clock seconds), node
+        importance (``node -> (scores [layers, length], requests, pending)``, stored as
+        float16) and block statistics (``block key -> policy record``) in one
+        transaction that does not wait for the disk
         (``durable=False``: a power cut may undo it, as statistics may be lost; the next
         durable commit, a prompt's, makes it durable too). Returns the rows written of
         each; rows of removed nodes or files are skipped."""
@@ -118,15 +111,6 @@ class StatisticsTables:
 
 
     # -- node statistics (the disk budget's value of a stored prefix) ---------------------
-    def save_node_stats(self, records: dict[int, dict[str, Any]], saved_at: float) -> int:
-        """Upsert per-node statistics (records as for blocks); unknown nodes are skipped."""
-        return self.save_statistics(saved_at, nodes=records)[0]
-
-    def save_importance(self, records: dict[int, tuple[np.ndarray, float, int]], saved_at: float) -> int:
-        """Upsert per-node importance: ``node -> (scores [layers, length], requests,
-        pending)`` (scores stored as float16); unknown nodes are skipped."""
-        return self.save_statistics(saved_at, importance=records)[1]
-
     def load_importance(self) -> dict[int, tuple[np.ndarray, float, int, float]]:
         """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``
         (``scores`` None where the saved bytes are not ``layers x`` the node's length

@@ -163,15 +163,18 @@ def _now(fn: Callable[[FileBlocks, memoryview], int], g: FileBlocks, dest: memor
     return fut
 
 
-def _open(g: FileBlocks) -> int:
-    """No symbolic links, never blocking on a FIFO, regular files only."""
+def open_chunk_file(path: str | Path, file_id: int, dir_fd: int | None = None, shown: Path | None = None) -> int:
+    """A read-only descriptor of a chunk file (``path`` relative to ``dir_fd`` if given):
+    no symbolic links, never blocking on a FIFO, regular files only; `CorruptBlockError`
+    (naming ``shown``, else ``path``) otherwise."""
+    name = shown if shown is not None else path
     try:
-        fd = os.open(g.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
-        raise CorruptBlockError(f"cannot open chunk file {g.path}: {exc}", g.file_id) from exc
+        raise CorruptBlockError(f"cannot open chunk file {name}: {exc}", file_id) from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CorruptBlockError(f"chunk file {g.path} is not a regular file", g.file_id)
+        raise CorruptBlockError(f"chunk file {name} is not a regular file", file_id)
     return fd
 
 
@@ -192,7 +195,7 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
         spans.append([d, n])
         pos = off + n
     iovecs = [memoryview(bytearray(n)) if d < 0 else dest[d : d + n] for d, n in spans]
-    fd = g.fd if g.fd is not None else _open(g)
+    fd = g.fd if g.fd is not None else open_chunk_file(g.path, g.file_id)
     try:
         _preadv_all(fd, iovecs, start, g, end)
     finally:

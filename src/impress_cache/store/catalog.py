@@ -453,7 +453,7 @@ class Catalog:
         """The block table of a file (`OpenFiles.get`)."""
         return self.files.get(file_id)
 
-    def fd(self, f: OpenFile) -> int:
+    def fd(self, f: OpenFile) -> int | None:
         """A read-only descriptor of a chunk file (`OpenFiles.fd`)."""
         return self.files.fd(f)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +17,11 @@ from ..errors import CorruptBlockError, StoreFormatError
 from ..index.files import FileRecord, FileTable
 from ..index.radix import Match
 from ..index.sqlite import Index
+from ..storage.reader import open_chunk_file
 from ..storage.base import BlockTable, context_digest, file_seed
 
 #: names the store gives its chunk files; anything else in the index is damage
 FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass
@@ -60,16 +59,11 @@ def read_file(index: Index, chunks: Path, row_bytes: tuple[int, int], file_id: i
 
 
 def open_chunk(f: OpenFile, chunks_fd: int) -> int:
-    """A new read-only descriptor of ``f``'s chunk file (relative to the directory
-    ``chunks_fd``): no symbolic links, regular files only, never blocking on a FIFO."""
+    """A new read-only descriptor of ``f``'s chunk file, relative to the directory
+    ``chunks_fd`` (`reader.open_chunk_file`), without kernel read-ahead: blocks are read
+    where the request needs them."""
+    fd = open_chunk_file(f.record.name, f.record.id, dir_fd=chunks_fd, shown=f.path)
     try:
-        fd = os.open(f.record.name, _OPEN_FLAGS, dir_fd=chunks_fd)
-    except OSError as exc:
-        raise CorruptBlockError(f"cannot open chunk file {f.path}: {exc}", f.record.id) from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptBlockError(f"chunk file {f.path} is not a regular file", f.record.id)
-        # blocks are read where the request needs them: no kernel read-ahead past them
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     except BaseException:
         os.close(fd)
@@ -111,9 +105,10 @@ class OpenFiles:
                 return f  # removed meanwhile: not kept (its `drop` has run or is due)
             return self._open.setdefault(file_id, f)
 
-    def fd(self, f: OpenFile) -> int:
-        """A read-only descriptor of ``f``'s file (`open_chunk`); `CorruptBlockError`
-        when ``f`` was dropped (its file removed)."""
+    def fd(self, f: OpenFile) -> int | None:
+        """A read-only descriptor of ``f``'s file (`open_chunk`), kept with ``f``; ``None``
+        when ``f`` was dropped meanwhile (its file removed or about to be): the reader
+        then opens the file for that read only and closes it after (or finds it gone)."""
         if f.fd is not None:
             return f.fd
         fd = open_chunk(f, self._chunks_fd)
@@ -123,13 +118,11 @@ class OpenFiles:
                 f.fd, fd = fd, -1
         if fd >= 0:
             os.close(fd)
-        if not kept:
-            raise CorruptBlockError(f"chunk file {f.path} was removed", f.record.id)
-        return f.fd
+        return f.fd if kept else None
 
     def drop(self, file_ids: Iterable[int]) -> None:
         """Forget files and close their descriptors (a reader that still has one of them
-        gets no reused descriptor number from `fd`: it raises)."""
+        gets no reused descriptor number from `fd`: ``None``)."""
         with self._lock:
             for fid in file_ids:
                 f = self._open.pop(fid, None)
