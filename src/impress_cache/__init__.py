@@ -21,7 +21,7 @@ from .errors import (
 )
 from .hf.cache import ImpressCache
 from .hf.hooks import remove_hooks
-from .model_info import SUPPORTED_MODEL_TYPES
+from .model_info import LAYER_KINDS
 from .stats import RequestStats
 from .store import ImpressStore
 
@@ -41,7 +41,7 @@ __all__ = [
     "StoreIOError",
     "StoreLimitError",
     "RequestStats",
-    "SUPPORTED_MODEL_TYPES",
+    "LAYER_KINDS",
     "TierError",
     "UnsupportedModelError",
     "__version__",

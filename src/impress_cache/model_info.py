@@ -1,20 +1,64 @@
-"""What a store needs to know about a model, and the fingerprint that binds them."""
+"""What a store needs to know about a model, and the fingerprint that binds them.
+
+No list of model types: each layer's behaviour comes from what transformers itself says
+the layer is. One forward of two tokens shows the cache layers transformers builds for
+the model (``DynamicCache(config=...)`` dispatches on the text config's ``layer_types``)
+and the shapes of their keys and values; `LayerInfo` records, per model layer, its kind
+(`LAYER_KINDS`), its window and its K/V shapes. Full and window layers store K/V; a layer
+that reuses another layer's K/V, or has no attention, stores nothing. Layers that keep a
+recurrent state (linear attention, SSM, convolution) are refused, naming the layer.
+
+The store keeps every stored layer at one padded width (the largest KV-head count and
+head dim over the stored layers; keys and values of different widths are padded to the
+wider one) and slices each layer back to its own shape when it is read.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from .errors import ModelMismatchError, UnsupportedModelError
 
-#: ``config.model_type`` values whose attention layout this library understands
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: what a model layer is, for the cache:
+#: ``full``: attends to every earlier row (stored; sparse loading possible);
+#: ``window``: sliding-window or chunked attention (stored; only the rows still visible
+#: at the match point are read);
+#: ``shared``: uses another layer's K/V, or has no attention (nothing stored)
+LAYER_KINDS = ("full", "window", "shared")
+
+#: transformers' cache layer classes that keep a recurrent state instead of (or beside) K/V
+_STATE_LAYERS = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One model layer as the cache sees it."""
+
+    kind: str
+    #: transformers' name for it (``layer_types``: full_attention, sliding_attention, ...)
+    layer_type: str = "full_attention"
+    #: window kind: rows a new token can still see are the last ``window - 1``
+    window: int = 0
+    k_heads: int = 0
+    k_dim: int = 0
+    v_heads: int = 0
+    v_dim: int = 0
+
+    @property
+    def stored(self) -> bool:
+        return self.kind in ("full", "window")
+
+    def as_list(self) -> list[Any]:
+        return [self.kind, self.layer_type, self.window, self.k_heads, self.k_dim, self.v_heads, self.v_dim]
 
 
 @dataclass(frozen=True)
@@ -23,6 +67,10 @@ class ModelSpec:
 
     Two models with equal specs produce the same keys and values for the same tokens,
     so a store records the spec it was built with and refuses any other model.
+    ``num_layers``, ``num_kv_heads`` and ``head_dim`` describe what the store keeps: the
+    stored layers, at their padded width. ``layers`` describes every model layer
+    (`LayerInfo`, JSON); it is empty for a model whose layers all attend fully with one
+    shape, so stores of such models written before it existed keep their fingerprint.
     """
 
     model_type: str
@@ -36,6 +84,7 @@ class ModelSpec:
     rope: str
     kv_dtype: str
     weights_sha256: str
+    layers: str = ""
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -43,20 +92,42 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, in the stored dtype."""
+        """Bytes of K and V for one token over all stored layers, in the stored dtype."""
         itemsize = torch.empty((), dtype=self.torch_kv_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
+    @functools.cached_property
+    def model_layers(self) -> tuple[LayerInfo, ...]:
+        """Every layer of the model, in order."""
+        if not self.layers:
+            h, d = self.num_kv_heads, self.head_dim
+            return tuple(LayerInfo("full", "full_attention", 0, h, d, h, d) for _ in range(self.num_layers))
+        return tuple(LayerInfo(*row) for row in json.loads(self.layers))
+
+    @functools.cached_property
+    def stored_layers(self) -> tuple[int, ...]:
+        """Model layer index of every stored layer (stored layer ``i`` is model layer
+        ``stored_layers[i]``)."""
+        return tuple(i for i, info in enumerate(self.model_layers) if info.stored)
+
+    def padded(self, layer: int) -> bool:
+        """Whether stored layer ``layer`` is kept wider than its own K or V."""
+        info = self.model_layers[self.stored_layers[layer]]
+        h, d = self.num_kv_heads, self.head_dim
+        return (info.k_heads, info.k_dim, info.v_heads, info.v_dim) != (h, d, h, d)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def check_same(self, stored: dict[str, Any], where: str) -> None:
-        """Raise `ModelMismatchError` naming every field that differs."""
+        """Raise `ModelMismatchError` naming every field that differs (a field a store
+        written before it existed did not record counts as its default)."""
         mine = self.to_dict()
+        defaults = {f.name: f.default for f in fields(self)}
         diffs = [
-            f"{k}: store has {stored.get(k)!r}, model has {mine[k]!r}"
+            f"{k}: store has {stored.get(k, defaults[k])!r}, model has {mine[k]!r}"
             for k in mine
-            if stored.get(k) != mine[k]
+            if stored.get(k, defaults[k]) != mine[k]
         ]
         if diffs:
             raise ModelMismatchError(
@@ -65,28 +136,77 @@ class ModelSpec:
                 + ". Open a new store directory for this model."
             )
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "ModelSpec":
+        """The spec a store recorded (fields it does not know are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
 
-def check_supported(model: torch.nn.Module) -> Any:
-    """Return the model's text config, or raise if its architecture is not supported."""
+
+def text_config(model: torch.nn.Module) -> Any:
+    """The model's decoder text config; `UnsupportedModelError` for anything that is not a
+    Hugging Face model with a config."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise UnsupportedModelError(
             f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}"
         )
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if text.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {text.model_type!r} is not supported; supported architectures: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
-    return text
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
+    """Every layer of ``model`` as transformers caches it (one forward of two tokens).
+
+    Raises `UnsupportedModelError`, naming the layer, its kind and the model, for a layer
+    whose cache this library cannot serve exactly (a recurrent state, an indexer).
+    """
+    text = text_config(model)
+    name = f"{text.model_type} ({type(model).__name__})"
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
+    cache = getattr(out, "past_key_values", None)
+    cache_layers = getattr(cache, "layers", None)
+    if cache_layers is None:
+        raise UnsupportedModelError(f"{name} returned no layered cache from a forward with use_cache=True")
+    types = list(getattr(text, "layer_types", None) or [])
+    infos: list[LayerInfo] = []
+    for i, layer in enumerate(cache_layers):
+        cls = type(layer).__name__
+        layer_type = str(types[i]) if i < len(types) else "full_attention"
+        where = f"layer {i} of {name} ({layer_type}, transformers cache layer {cls})"
+        if cls in _STATE_LAYERS:
+            raise UnsupportedModelError(
+                f"{where} keeps a recurrent state (linear attention, SSM or convolution), which is valid only at "
+                "the position where it was taken; impress_cache stores K/V rows and cannot serve such layers yet"
+            )
+        if cls == "DummyLayer":  # reuses another layer's K/V (kv sharing), or no attention at all
+            infos.append(LayerInfo("shared", layer_type))
+            continue
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if cls not in ("DynamicLayer", "DynamicSlidingWindowLayer") or not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            raise UnsupportedModelError(f"{where} is not a kind of layer impress_cache serves (full, sliding, chunked or shared attention)")
+        assert isinstance(values, torch.Tensor)
+        window = int(getattr(layer, "sliding_window", 0) or 0) if getattr(layer, "is_sliding", False) else 0
+        infos.append(LayerInfo(
+            "window" if window else "full", layer_type, window,
+            int(keys.shape[1]), int(keys.shape[3]), int(values.shape[1]), int(values.shape[3]),
+        ))
+    if not any(info.stored for info in infos):
+        raise UnsupportedModelError(f"{name} has no layer with K/V to store")
+    return infos
 
 
 def model_spec(model: torch.nn.Module, kv_dtype: str = "auto") -> ModelSpec:
     """Describe ``model`` for a store that keeps K/V in ``kv_dtype``."""
-    text = check_supported(model)
+    text = text_config(model)
+    infos = describe_layers(model)
     heads = int(text.num_attention_heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    stored = [info for info in infos if info.stored]
+    kv_heads = max(max(i.k_heads, i.v_heads) for i in stored)
+    head_dim = max(max(i.k_dim, i.v_dim) for i in stored)
+    uniform = all(i.kind == "full" and (i.k_heads, i.k_dim, i.v_heads, i.v_dim) == (kv_heads, head_dim, kv_heads, head_dim) for i in infos)
     if kv_dtype == "auto":
         dtype = next(model.parameters()).dtype
         if dtype not in _DTYPE_NAMES:
@@ -99,15 +219,16 @@ def model_spec(model: torch.nn.Module, kv_dtype: str = "auto") -> ModelSpec:
     return ModelSpec(
         model_type=text.model_type,
         architecture=(getattr(model.config, "architectures", None) or [type(model).__name__])[0],
-        num_layers=int(text.num_hidden_layers),
+        num_layers=len(stored),
         num_attention_heads=heads,
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
         rope=repr(sorted(rope.items())) if isinstance(rope, dict) else repr(rope),
         kv_dtype=kv_dtype,
         weights_sha256=weights_fingerprint(model),
+        layers="" if uniform else json.dumps([i.as_list() for i in infos]),
     )
 
 

@@ -93,6 +93,10 @@ class RequestStats:
     layer_similarity: list[float] = field(default_factory=list)
     layer_threshold: list[float] = field(default_factory=list)
     fallback_layers: list[int] = field(default_factory=list)
+    #: stored layers whose queries the hooks could not capture (a family whose attention
+    #: projects or rotates queries in its own way): they keep the sink and most recent
+    #: rows (the ``recent`` baseline) instead of scored ones
+    unscored_layers: list[int] = field(default_factory=list)
     rows: list[RowStats] = field(default_factory=list)
 
     @property

@@ -61,12 +61,28 @@ def test_other_kv_dtype_is_refused(tmp_path):
         ImpressStore(tmp_path, model, ImpressConfig(kv_dtype="float16"))
 
 
-def test_unsupported_architecture_lists_supported(tmp_path):
+def test_a_model_without_a_layered_cache_is_refused_naming_it(tmp_path):
+    from torch import nn
+
+    class NotAnLM(nn.Module):
+        config = None
+
+    with pytest.raises(UnsupportedModelError, match="expected a Hugging Face causal LM"):
+        ImpressStore(tmp_path, NotAnLM(), CFG)
+
+
+def test_gpt2_absolute_positions_reuse_exactly(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3"):
-        ImpressStore(tmp_path, model, CFG)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    doc = torch.randint(3, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    with ImpressStore(tmp_path, model, CFG) as store:
+        assert_same_as_uncached(model, store, doc)
+        c = assert_same_as_uncached(model, store, torch.cat([doc, doc[:, :5]], dim=1))
+        assert c.stats.matched_tokens == 40
 
 
 # -- damaged data never yields wrong output -------------------------------------------------

@@ -24,124 +24,16 @@ import time
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from ..errors import CacheUsageError
 from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
+from .layers import ImpressLayer, make_layers
 from .refresh import recompute_new_tokens
 from .request import PrefixRequest
-
-
-class ImpressLayer(DynamicLayer):
-    """A dynamic cache layer that starts with stored prefix rows.
-
-    Before its first ``update`` the layer only knows its prefix length; the request then
-    hands it a buffer (`place`) holding its prefix rows plus room for the new tokens, so
-    the first ``update`` copies only the new rows (no concatenation of the prefix).
-    ``is_croppable`` is True as for every dynamic layer: `crop` removes rows computed
-    after the prefix exactly (it raises `CacheUsageError` instead of cutting into the
-    reused prefix). Nothing here reads ``layer.dtype``, which 5.24 removed: rows take
-    the dtype of the incoming keys.
-    """
-
-    is_croppable = True
-
-    def __init__(self, prefix_len: int = 0, hidden: int = 0) -> None:
-        super().__init__()
-        #: ``([2, batch, kv_heads, held + room, head_dim], held)`` until the first update
-        self._buffer: tuple[torch.Tensor, int] | None = None
-        self.start_with(prefix_len, hidden)
-
-    def start_with(self, prefix_len: int, hidden: int = 0) -> None:
-        """Set how many prefix rows this layer starts with (before any update);
-        ``hidden`` of them are not held (sparse prefill): key index j is position
-        j + hidden."""
-        if self.is_initialized:
-            raise CacheUsageError("an ImpressLayer gets its prefix rows before its first update")
-        self._prefix_len = prefix_len
-        self.hidden = hidden
-
-    def place(self, buf: torch.Tensor, held: int) -> None:
-        """The prefix rows to start with (``buf[:, :, :, :held]``)."""
-        self._buffer = (buf, held)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized and self._buffer is not None:
-            buf, held = self._buffer
-            n = key_states.shape[-2]
-            if (
-                buf.shape[3] == held + n
-                and buf.shape[1] == key_states.shape[0]
-                and buf.device == key_states.device
-                and buf.dtype == key_states.dtype == value_states.dtype
-            ):
-                self._buffer = None
-                super().lazy_initialization(key_states, value_states)
-                buf[0, :, :, held:].copy_(key_states)
-                buf[1, :, :, held:].copy_(value_states)
-                self.keys, self.values = buf[0], buf[1]
-                return self.keys, self.values
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        if self._buffer is not None:  # the buffer's room does not fit: start from its prefix rows
-            buf, held = self._buffer
-            self.keys = buf[0, :, :, :held].to(key_states.device, key_states.dtype)
-            self.values = buf[1, :, :, :held].to(value_states.device, value_states.dtype)
-        self._buffer = None
-
-    def get_seq_length(self) -> int:
-        """Logical length: prefix plus everything after it, held or not."""
-        if not self.is_initialized:
-            return self._prefix_len
-        return super().get_seq_length() + self.hidden
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() - self.hidden + query_length, self.hidden
-
-    def restore_prefix(
-        self, keys: torch.Tensor, values: torch.Tensor, new: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
-        """Replace the held prefix rows by the whole prefix (``decode="full"``) and, with
-        ``new``, the rows after it by those keys and values (the new tokens recomputed
-        against the whole prefix)."""
-        held = self._prefix_len - self.hidden
-        dev, dt = self.keys.device, self.keys.dtype
-        ks, vs = [keys.to(dev, dt)], [values.to(dev, dt)]
-        after = held
-        if new is not None:
-            ks.append(new[0].to(dev, dt))
-            vs.append(new[1].to(dev, dt))
-            after += new[0].shape[-2]
-        self.keys = torch.cat([*ks, self.keys[:, :, after:]], dim=-2)
-        self.values = torch.cat([*vs, self.values[:, :, after:]], dim=-2)
-        self.hidden = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.get_seq_length() + tokens_to_remove < self._prefix_len:
-            raise CacheUsageError("crop() would cut into the reused prefix; ImpressCache does not support that")
-        super().crop(tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            super().batch_select_indices(indices)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: reorder the held rows (rows not placed yet follow the request's
-        row map)."""
-        if self.is_initialized and self.keys.numel() > 0:
-            self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
-            self.values = self.values.index_select(0, beam_idx.to(self.values.device))
 
 
 class ImpressCache(Cache):
@@ -207,7 +99,9 @@ class ImpressCache(Cache):
         #: forwards after the prefill, and whether this one re-selects (``keep_reselect``)
         self._decode_steps = 0
         self._reselect_now = False
-        super().__init__(layers=[ImpressLayer() for _ in range(store.spec.num_layers)])
+        super().__init__(layers=make_layers(store.spec))
+        #: stored layer index of each model layer that stores K/V
+        self._stored = {m: s for s, m in enumerate(store.spec.stored_layers)}
         install_hooks(store.model, ImpressCache)
         if input_ids is not None:
             self.bind(input_ids, attention_mask)
@@ -228,9 +122,8 @@ class ImpressCache(Cache):
             raise CacheUsageError("this ImpressCache is bound to a prompt already; build a new ImpressCache per request")
         ids, mask = check_inputs(input_ids, attention_mask, self.store.spec.vocab_size)
         req = PrefixRequest(self.store, ids, mask, reuse=reuse)
-        hidden = req.reused - req.sparse.k if req.sparse is not None else 0
-        for layer in self.layers:
-            layer.start_with(req.reused, hidden)
+        for m, s in self._stored.items():
+            self.layers[m].start_with(req.reused, req.reused - req.held[s])
         self._request = req
         self._guard = PromptGuard(req)
 
@@ -273,9 +166,10 @@ class ImpressCache(Cache):
 
     def capture_queries(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Receive ``[batch, q_heads, n, head_dim]`` post-RoPE queries of one layer."""
-        sparse = self._bound().sparse
-        if sparse is not None and (not self.layers[layer_idx].is_initialized or self._reselect_now):
-            sparse.capture(layer_idx, queries)
+        req = self._bound()
+        s = self._stored.get(layer_idx)
+        if req.sparse is not None and s in req.sparse_layers and (not self.layers[layer_idx].is_initialized or self._reselect_now):
+            req.sparse.capture(s, queries)
 
     def begin_generate(self, input_ids: Any, attention_mask: torch.Tensor | None) -> None:
         """``generate`` got this cache: bind it to the prompt, or refuse a second request."""
@@ -329,17 +223,30 @@ class ImpressCache(Cache):
         keys, values = req.take_full_prefix(before_first_token=guard)
         rows = self._restore_rows
         self._restore_rows = None
-        prefix = [(keys[i][rows], values[i][rows]) for i in range(len(self.layers))]
-        new: list[Any] = [None] * len(self.layers)
+        # the whole prefix for the sparse layers; every other stored layer keeps its rows
+        full: dict[int, tuple[Any, Any]] = {
+            m: (keys[s][rows], values[s][rows]) if s in req.sparse_layers else (None, None) for m, s in self._stored.items()
+        }
+        new: dict[int, Any] = {}
         logits = None
         if refresh:
             t0 = time.perf_counter()
-            dtype = self.layers[0].keys.dtype
-            new, logits = recompute_new_tokens(self.store.model, req.ids, req.mask, req.reused, prefix, dtype)  # type: ignore[assignment]
+            prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for m, (k, v) in full.items():
+                layer = self.layers[m]
+                if k is not None:
+                    prefix[m] = layer.own(k, v)
+                else:  # held rows, behind zeros where the layer hides rows (a window never sees them)
+                    held = layer.prefix_len - layer.hidden
+                    prefix[m] = tuple(  # type: ignore[assignment]
+                        torch.nn.functional.pad(t[:, :, :held], (0, 0, layer.hidden, 0)) for t in (layer.keys, layer.values)
+                    )
+            dtype = next(la.keys.dtype for la in self.layers if isinstance(la, ImpressLayer) and la.keys is not None)
+            new, logits = recompute_new_tokens(self.store.model, req.ids, req.mask, req.reused, prefix, dtype)
             req.stats.refreshed_tokens += int(req.mask[:, req.reused :].sum())
             req.stats.refresh_seconds += time.perf_counter() - t0
-        for layer, (k, v), n in zip(self.layers, prefix, new):
-            layer.restore_prefix(k, v, n)
+        for m, (k, v) in full.items():
+            self.layers[m].restore_prefix(k, v, new.get(m))
         return logits
 
     def after_forward(self, output: Any) -> None:
@@ -378,18 +285,19 @@ class ImpressCache(Cache):
                 "model and build the cache on it"
             )
         layer = self.layers[layer_idx]
+        s = self._stored[layer_idx]
         if not layer.is_initialized and req.reused > 0:
-            layer.place(*req.prefix_for(layer_idx, key_states))
-        elif self._reselect_now and req.sparse is not None:
-            req.sparse.reselect(layer_idx, key_states, layer.keys, layer.values)
+            layer.place(*req.prefix_for(s, key_states))
+        elif self._reselect_now and req.sparse is not None and s in req.sparse_layers:
+            req.sparse.reselect(s, key_states, layer.keys, layer.values)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if (
             not self._written
-            and layer_idx == len(self.layers) - 1
+            and s == len(self._stored) - 1
             and layer.get_seq_length() >= self._guard.ids.shape[1]
         ):
             self._written = True
-            req.finish_prefill([la.keys for la in self.layers], [la.values for la in self.layers], self.store_prompt)
+            req.finish_prefill([self.layers[m] for m in self.store.spec.stored_layers], self.store_prompt)
             self._guard_pending = req.sparse is not None
             if req.full_pending:
                 self._restore_rows = torch.arange(req.ids.shape[0])

@@ -31,6 +31,8 @@ cache, ``inputs_embeds``, assisted decoding) runs as if the hooks were not there
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -42,6 +44,7 @@ import torch
 from ..errors import CacheUsageError
 from .compat import cache_argument, generate_attention_mask, unsupported_generation
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _capture = threading.local()
 
@@ -192,9 +195,26 @@ def _model_post_hook(cache_type: type) -> Callable[..., None]:
     return post_forward
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(attn: torch.nn.Module, q: torch.Tensor, rope: Any) -> torch.Tensor:
+    """``[batch, heads, n, head_dim]`` queries rotated as the attention module rotates them:
+    with its modeling module's own ``apply_rotary_pos_emb(q, k, cos, sin)`` (partial and
+    interleaved rotations included), else the usual rotate-half form."""
+    cos, sin = rope
+    fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if fn is not None:
+        return fn(q, q, cos, sin)[0]
+    half = q.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(name: str, exc: BaseException) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("the queries of %s cannot be captured (%s): sparse layers keep sink and recent rows", name, exc)
 
 
 def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any]:
@@ -208,8 +228,9 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
 
         def before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             cache = cache_argument(kwargs)
-            if isinstance(cache, cache_type) and cache.wants_queries:
-                _capture.target = (cache, module.layer_idx, module.head_dim, kwargs.get("position_embeddings"))
+            head_dim = getattr(module, "head_dim", None)
+            if isinstance(cache, cache_type) and cache.wants_queries and isinstance(head_dim, int):
+                _capture.target = (cache, module, head_dim, kwargs.get("position_embeddings"))
             else:
                 _capture.target = None
 
@@ -217,14 +238,16 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
             target = getattr(_capture, "target", None)
             if target is None:
                 return
-            cache, layer_idx, head_dim, rope = target
+            cache, attn, head_dim, rope = target
             _capture.target = None
-            q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
-            if rope is not None:
-                cos, sin = rope
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-                q = q * cos + _rotate_half(q) * sin
-            cache.capture_queries(layer_idx, q)
+            try:
+                q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
+                if rope is not None:
+                    q = _rotate(attn, q, rope)
+            except (RuntimeError, TypeError, ValueError) as exc:  # a family that rotates queries its own way
+                _warn_once(type(attn).__name__, exc)
+                return
+            cache.capture_queries(attn.layer_idx, q)
 
         handles.append(attn.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(source.register_forward_hook(took))

@@ -87,23 +87,31 @@ _RowRead = tuple[Any, list[int], Any]
 
 
 def _start_reads(
-    store: ImpressStore, layouts: list[PrefixLayout | None], kind: int, layer: int, place_hits: bool = True
+    store: ImpressStore, layouts: list[PrefixLayout | None], kind: int, layer: int, place_hits: bool = True,
+    positions: list[torch.Tensor | None] | None = None,
 ) -> tuple[int, list[_RowRead | None]]:
     """Start reading ``layer``'s blocks of ``kind`` for every batch row (``None``: a row
-    without a stored prefix); the units are computed once, for the read and the gather."""
+    without a stored prefix), of the units holding ``positions[row]`` (default: all);
+    the units are computed once, for the read and the gather."""
     reads: list[_RowRead | None] = []
-    for lay in layouts:
-        if lay is None:
+    for i, lay in enumerate(layouts):
+        pos = None if positions is None else positions[i]
+        if lay is None or (pos is not None and len(pos) == 0):
             reads.append(None)
             continue
         view = lay.at(layer)
-        units = view.units_all()
+        units = view.units_all() if pos is None else view.units_for(pos)
         reads.append((view, units, store.start_layout(lay, kind, [layer], units, place_hits=place_hits)))
     return layer, reads
 
 
 class DenseLoader:
-    """Every prefix row of every layer, gathered into per-layer buffers in the background."""
+    """Prefix rows of every layer, gathered into per-layer buffers in the background.
+
+    ``held[layer]`` is how many of the last prefix rows the layer holds (every row, or
+    what a window still sees); ``None`` skips the layer (a sparse prefill chooses its
+    rows). Default: every row of every layer.
+    """
 
     def __init__(
         self,
@@ -113,28 +121,53 @@ class DenseLoader:
         reused: int,
         room: int,
         stats: RequestStats,
+        held: list[int | None] | None = None,
     ) -> None:
         self._store = store
         self._layouts = layouts
         self._pads = pads
         self._reused = reused
+        self._held = held if held is not None else [reused] * store.spec.num_layers
         self._room = room
         self._stats = stats
         self._lock = threading.Lock()
         self._bg = _Background(store, store.spec.num_layers, self._gather, self._start)
 
-    def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
-        return _start_reads(self._store, self._layouts, KV, layer, place_hits=False)
+    def _positions(self, layer: int) -> list[torch.Tensor | None] | None:
+        """Per batch row, the stored positions the layer holds (``None``: all of them)."""
+        held = self._held[layer]
+        if held is None or held == self._reused:
+            return None
+        first = self._reused - held
+        return [torch.arange(max(first, pad), self._reused) - pad for pad in self._pads]
 
-    def _gather(self, started: tuple[int, list[_RowRead | None]]) -> torch.Tensor:
-        _, reads = started
-        buf = prefix_buffer(self._store, len(self._layouts), self._reused, self._room, max(self._pads) > 0)
+    def _start(self, layer: int) -> tuple[int, list[_RowRead | None]] | None:
+        if self._held[layer] is None:
+            return None
+        positions = self._positions(layer)
+        return _start_reads(self._store, self._layouts, KV, layer, place_hits=False, positions=positions)
+
+    def _gather(self, started: tuple[int, list[_RowRead | None]] | None) -> torch.Tensor | None:
+        if started is None:
+            return None
+        layer, reads = started
+        held = self._held[layer]
+        assert held is not None
+        positions = self._positions(layer)
+        first = self._reused - held
+        buf = prefix_buffer(self._store, len(self._layouts), held, self._room, max(self._pads) > first)
         for i, row in enumerate(reads):
             if row is None:
                 continue
             view, units, read = row
             blocks = read.result()
-            view.gather_into(units, blocks, buf[:, i, :, self._pads[i] : self._reused])
+            if positions is None:
+                view.gather_into(units, blocks, buf[:, i, :, self._pads[i] : self._reused])
+            else:
+                k, v = view.gather(units, blocks, positions[i])
+                start = held - len(positions[i])
+                buf[0, i, :, start:held] = k
+                buf[1, i, :, start:held] = v
             with self._lock:
                 self._stats.bytes_read_disk += blocks.stats.disk_bytes
                 self._stats.blocks_read += blocks.stats.disk_blocks

@@ -11,22 +11,33 @@ from there. The request returns the right answer, later than usual.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
+
+from ..model_info import ModelSpec
+from .compat import CACHE_KWARG
+from .layers import to_stored
 
 
 @torch.no_grad()
 def recompute_prefix(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, reused: int
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, reused: int, spec: ModelSpec
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, ``[batch, kv_heads, reused, head_dim]`` keys and values of the first
-    ``reused`` columns of a left-padded prompt (padding columns zero)."""
+    """Per stored layer, ``[batch, kv_heads, reused, head_dim]`` keys and values (the
+    store's padded width) of the first ``reused`` columns of a left-padded prompt
+    (padding columns zero)."""
     device = next(model.parameters()).device
     cols = mask[:, :reused].to(device)
     positions = (cols.long().cumsum(-1) - 1).clamp(min=0)
     decoder = model.get_decoder()
-    out = decoder(input_ids=ids[:, :reused].to(device), attention_mask=cols.long(), position_ids=positions, use_cache=True)
-    cache = out.past_key_values
+    cache = DynamicCache()  # plain layers: every row of window layers too
+    decoder(
+        input_ids=ids[:, :reused].to(device), attention_mask=cols.long(), position_ids=positions, use_cache=True,
+        **{CACHE_KWARG: cache},
+    )
     pad = ~cols.bool()[:, None, :, None]
     result = []
-    for layer in cache.layers:
-        result.append((layer.keys.masked_fill(pad, 0), layer.values.masked_fill(pad, 0)))
+    for m in spec.stored_layers:
+        layer = cache.layers[m]
+        k, v = to_stored(spec, spec.model_layers[m], layer.keys, layer.values)
+        result.append((k.masked_fill(pad, 0), v.masked_fill(pad, 0)))
     return result

@@ -12,6 +12,8 @@ The hooks ignore this forward: it carries no ImpressCache.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -24,10 +26,10 @@ def recompute_new_tokens(
     ids: torch.Tensor,
     mask: torch.Tensor,
     reused: int,
-    prefix: list[tuple[torch.Tensor, torch.Tensor]],
+    prefix: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | list[tuple[torch.Tensor, torch.Tensor]],
     dtype: torch.dtype,
     prefix_mask: torch.Tensor | None = None,
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Per layer the ``[batch, kv_heads, new, head_dim]`` keys and values of the columns
     after ``reused`` of a left-padded prompt, computed over ``prefix`` (per layer
     ``[batch, kv_heads, reused, head_dim]``), and the ``[batch, vocab]`` logits after the
@@ -35,10 +37,16 @@ def recompute_new_tokens(
 
     With ``prefix_mask`` (``[batch, m]``), ``prefix`` holds only ``m`` of the prefix rows
     per layer (keys after RoPE keep their positions; the mask says which are held): the
-    new tokens keep their positions in the prompt and attend to those rows only."""
+    new tokens keep their positions in the prompt and attend to those rows only.
+
+    ``prefix`` is keyed by model layer (a list: layers ``0 ..``); layers without an entry
+    (layers that use another layer's K/V) get none. The result is keyed the same way.
+    A layer may hold zeros where its attention never looks (a window's hidden rows)."""
     device = next(model.parameters()).device
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(prefix):
+    rows = dict(enumerate(prefix)) if isinstance(prefix, list) else dict(prefix)
+    cache = DynamicCache()  # plain layers keep every row: masks are built over all of them
+    for i in sorted(rows):
+        k, v = rows[i]
         cache.update(k.to(device, dtype), v.to(device, dtype), i)
     mask = mask.to(device).long()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, reused:]
@@ -53,5 +61,5 @@ def recompute_new_tokens(
         logits_to_keep=1,
         **{CACHE_KWARG: cache},
     )
-    new = [(layer.keys[:, :, reused:], layer.values[:, :, reused:]) for layer in cache.layers]
+    new = {i: (cache.layers[i].keys[:, :, reused:], cache.layers[i].values[:, :, reused:]) for i in rows}
     return new, out.logits[:, -1]

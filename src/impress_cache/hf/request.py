@@ -27,10 +27,12 @@ import torch
 
 from ..errors import CacheUsageError, CorruptBlockError, ImpressError, StoreFormatError, StoreIOError
 from ..index.radix import Match, Segment
+from ..model_info import ModelSpec
 from ..selection.modes import BASELINES
 from ..stats import RequestStats, RowStats
 from ..store.leases import PrefixLease
 from ..store.store import ImpressStore
+from .layers import to_stored
 from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
 from .reselect import reselects
@@ -68,6 +70,10 @@ class PrefixRequest:
         self._dense: DenseLoader | None = None
         self._lease: PrefixLease | None = None
         self._full: Future[tuple[torch.Tensor, torch.Tensor, int, int]] | None = None
+        #: per stored layer: prefix rows it holds (the last ones; ``reused - held`` are hidden)
+        self.held: list[int] = [0] * store.spec.num_layers
+        #: stored layers whose rows a sparse prefill chooses
+        self.sparse_layers: set[int] = set()
         self._recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prefill_started: float | None = None
         t0 = time.perf_counter()
@@ -105,6 +111,8 @@ class PrefixRequest:
         self.reuse = False
         self.reused = 0
         self.sparse = self._dense = None
+        self.held = [0] * self.store.spec.num_layers
+        self.sparse_layers = set()
         self.stats = RequestStats()
         pads = self.pads
         for i in range(self.ids.shape[0]):
@@ -142,11 +150,13 @@ class PrefixRequest:
         layouts = [store.layout(cut(m, reused - pads[i])) if reused > pads[i] else None for i, m in enumerate(matches)]
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
-        if k < reused:
+        self.held, self.sparse_layers = held_rows(store.spec, reused, k)
+        if self.sparse_layers:
             probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats, keep_raw=reselects(store.config))
             self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room, self)
-        else:
-            self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats)
+        if len(self.sparse_layers) < len(self.held):
+            dense: list[int | None] = [None if s in self.sparse_layers else h for s, h in enumerate(self.held)]
+            self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats, dense)
 
     def _rows_per_layer(self, reused: int) -> int:
         """``k = ceil(important_ratio * C)``, whole blocks with block selection."""
@@ -162,17 +172,18 @@ class PrefixRequest:
         """The layer's prefix rows in a buffer with room for the new tokens:
         ``([2, batch, kv_heads, held + new, head_dim], held)``."""
         try:
-            if self.sparse is not None:
+            if layer in self.sparse_layers:
+                assert self.sparse is not None
                 buf, held = self.sparse.select(layer, key_states, self._recomputed)
             elif self._recomputed is not None:
-                buf, held = self._recomputed_layer(layer), self.reused
+                buf, held = self._recomputed_layer(layer), self.held[layer]
             else:
                 assert self._dense is not None
-                buf, held = self._dense.layer(layer), self.reused
+                buf, held = self._dense.layer(layer), self.held[layer]
         except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:
             self._recover(exc)
             return self.prefix_for(layer, key_states)
-        if self.sparse is None and not torch.equal(self.rows, torch.arange(len(self.rows))):
+        if layer not in self.sparse_layers and not torch.equal(self.rows, torch.arange(len(self.rows))):
             buf = buf.index_select(1, self.rows)  # dense buffers hold the planned rows
         return buf, held
 
@@ -189,7 +200,7 @@ class PrefixRequest:
             self._dense.cancel()
         if self.sparse is not None and self.sparse.probes is not None:
             self.sparse.probes.cancel()
-        self._recomputed = recompute_prefix(self.store.model, *self._planned, self.reused)
+        self._recomputed = recompute_prefix(self.store.model, *self._planned, self.reused, self.store.spec)
 
     def _quarantine(self, exc: CorruptBlockError) -> None:
         try:
@@ -201,13 +212,14 @@ class PrefixRequest:
     def _recomputed_layer(self, layer: int) -> torch.Tensor:
         assert self._recomputed is not None
         k, v = self._recomputed[layer]
-        buf = prefix_buffer(self.store, k.shape[0], self.reused, self.ids.shape[1] - self.reused, False)
-        buf[0, :, :, : self.reused] = k
-        buf[1, :, :, : self.reused] = v
+        held = self.held[layer]
+        buf = prefix_buffer(self.store, k.shape[0], held, self.ids.shape[1] - self.reused, False)
+        buf[0, :, :, :held] = k[:, :, self.reused - held :]
+        buf[1, :, :, :held] = v[:, :, self.reused - held :]
         self.stats.recomputed_layers += 1
         return buf
 
-    def finish_prefill(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], store_prompt: bool) -> None:
+    def finish_prefill(self, layers: list[Any], store_prompt: bool) -> None:
         """After the last layer: final statistics; with ``decode="full"`` start reading the
         rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
         if self.prefill_started is not None:
@@ -224,7 +236,7 @@ class PrefixRequest:
         self.release_lease()
         self._settle_tiers()
         if store_prompt:
-            self._store_prompt(layer_keys, layer_values)
+            self._store_prompt(layers)
 
     def _settle_tiers(self) -> None:
         """Apply the memory tiers' recorded accesses on the fetcher thread, after anything
@@ -252,7 +264,7 @@ class PrefixRequest:
         except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:
             if isinstance(exc, CorruptBlockError):
                 self._quarantine(exc)
-            rec = recompute_prefix(self.store.model, *self._planned, self.reused)
+            rec = recompute_prefix(self.store.model, *self._planned, self.reused, self.store.spec)
             keys = torch.stack([k for k, _ in rec]).index_select(1, self.rows)
             values = torch.stack([v for _, v in rec]).index_select(1, self.rows)
             nbytes = blocks = 0
@@ -277,21 +289,31 @@ class PrefixRequest:
         self.ids = self.ids[idx]
         self.mask = self.mask[idx]
 
-    def _store_prompt(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor]) -> None:
-        """Hand every distinct row's K/V (``[batch, kv_heads, >= seq, head_dim]`` per layer)
-        to the store's background writer."""
+    def _store_prompt(self, layers: list[Any]) -> None:
+        """Hand every distinct row's K/V (per stored layer, its cache layer: the rows
+        after the ones it hides) to the store's background writer. Rows a layer hides (a
+        window's) go as zeros, with ``valid_from`` telling the writer to store nothing
+        unless everything before them is still stored."""
         seq = self.ids.shape[1]
         pads = self.pads
+        spec = self.store.spec
+        hidden = max((la.hidden for la in layers), default=0)
         seen: set[tuple[int, ...]] = set()
         for i in range(self.ids.shape[0]):
             toks = tuple(self.ids[i, pads[i] :].tolist())
             if toks in seen:
                 continue
             seen.add(toks)
+            keys, values = [], []
+            for la in layers:
+                k, v = to_stored(spec, la.info, la.keys[i : i + 1], la.values[i : i + 1])
+                k, v = k[0, :, : seq - la.hidden], v[0, :, : seq - la.hidden]
+                if la.hidden:  # hidden rows: zeros in front (below valid_from, never written)
+                    k, v = (torch.nn.functional.pad(t, (0, 0, la.hidden, 0)) for t in (k, v))
+                keys.append(k[:, pads[i] :])
+                values.append(v[:, pads[i] :])
             try:
-                self.store.put_async(
-                    toks, [k[i, :, pads[i] : seq] for k in layer_keys], [v[i, :, pads[i] : seq] for v in layer_values]
-                )
+                self.store.put_async(toks, keys, values, valid_from=max(0, hidden - pads[i]))
             except (StoreFormatError, StoreIOError) as exc:
                 log.warning("the prompt is not stored: %s", exc)
                 continue
@@ -309,3 +331,24 @@ def cut(match: Match, n: int) -> list[Segment]:
         n -= take
     return out
 
+
+def held_rows(spec: ModelSpec, reused: int, k: int) -> tuple[list[int], set[int]]:
+    """Per stored layer, the prefix rows a request holds, and the layers a sparse
+    prefill chooses ``k`` rows for: a window layer holds what its window still sees; full
+    layers hold ``k`` rows each when ``k < reused`` and their keys are stored at their own
+    width (the probes score them), else every row."""
+    infos = [spec.model_layers[m] for m in spec.stored_layers]
+    sparse_ok = k < reused and all(
+        (i.k_heads, i.k_dim) == (spec.num_kv_heads, spec.head_dim) for i in infos if i.kind == "full"
+    )
+    held: list[int] = []
+    chosen: set[int] = set()
+    for s, info in enumerate(infos):
+        if info.kind == "window":
+            held.append(min(reused, max(info.window - 1, 0)))
+        elif sparse_ok:
+            held.append(k)
+            chosen.add(s)
+        else:
+            held.append(reused)
+    return held, chosen

@@ -78,7 +78,7 @@ class Reselector:
         t0 = time.perf_counter()
         prefix = [(la.keys[:, :, :k], la.values[:, :, :k]) for la in layers]
         new, _ = recompute_new_tokens(model, ids, mask, reused, prefix, layers[0].keys.dtype, held)
-        for la, (nk, nv) in zip(layers, new):
+        for la, (nk, nv) in zip(layers, new.values()):
             la.keys[:, :, k : k + nk.shape[2]] = nk
             la.values[:, :, k : k + nv.shape[2]] = nv
         sp.stats.refreshed_tokens += int(mask[:, reused:].sum())

@@ -25,6 +25,7 @@ from ..store.blocks import PendingRead
 from ..store.blockset import BlockSet, ReadStats, invalid_io_ratio
 from ..store.layout import PrefixLayout
 from ..store.store import ImpressStore
+from .hooks import hooks_installed
 from .loaders import ProbeLoader, prefix_buffer
 from .reselect import Reselector, reselects
 
@@ -69,7 +70,9 @@ class SparsePrefill:
         #: per planned row: K/V blocks touched and rows selected, summed over layers
         self._touched: dict[int, list[int]] = {}
         #: ``decode="keep"`` with ``keep_reselect``: what re-selecting while decoding needs
-        self.reselector = Reselector(self) if reselects(store.config) and probes is not None else None
+        self.reselector = (
+            Reselector(self) if reselects(store.config) and probes is not None and not store.spec.layers else None
+        )
 
     def row_of(self, i: int) -> int:
         """The planned row that running batch row ``i`` is (repeats, beams, selections)."""
@@ -88,11 +91,16 @@ class SparsePrefill:
         attention mask hides). With ``recomputed`` (the prefix's K/V computed after a
         damaged block), rows come from there."""
         queries = self._queries.get(layer_idx)  # kept until the layer succeeds (recovery retries it)
-        if queries is None:
-            raise CacheUsageError(
-                f"no queries were captured for layer {layer_idx}; sparse prefix loading needs "
-                "ImpressCache to be used through the model's forward (generate or model(...))"
-            )
+        mode = None
+        if queries is None:  # the hooks could not capture them: keep sinks and recent rows
+            if not hooks_installed(self.store.model):
+                raise CacheUsageError(
+                    f"no queries were captured for layer {layer_idx}; sparse prefix loading needs "
+                    "ImpressCache to be used through the model's forward (generate or model(...))"
+                )
+            mode = "recent"
+            self.stats.unscored_layers.append(layer_idx)
+            queries = key_states.new_zeros(key_states.shape[0], 1, 1, 1)
         io0 = self.stats.io_wait_seconds
         probes = self.probes.layer(layer_idx) if self.probes is not None and recomputed is None else None
         t1 = time.perf_counter()
@@ -110,7 +118,7 @@ class SparsePrefill:
             if lay is None:
                 continue
             mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
-            sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem)
+            sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem, mode)
             k_i = sel.keys.shape[1]
             if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
                 buf[:, i, :, : self.k - k_i] = 0
@@ -120,7 +128,7 @@ class SparsePrefill:
             if mem is None:
                 self._count(sel.read)
                 self._note(layer_idx, src, lay, sel)
-            if layer_idx == 0:
+            if layer_idx == min(self._batch.sparse_layers):
                 self.stats.loaded_tokens += k_i
             sims.append(sel.similarity)
             thresholds.append(sel.threshold)
@@ -130,10 +138,10 @@ class SparsePrefill:
         if fell_back:
             self.stats.fallback_layers.append(layer_idx)
         self.stats.select_seconds += time.perf_counter() - t1 - (self.stats.io_wait_seconds - io0)
-        if self.reselector is not None:
+        if self.reselector is not None and layer_idx in self._queries:
             self.reselector.question[layer_idx] = self._queries[layer_idx]
-        del self._queries[layer_idx]
-        if self.store.config.prefetch and recomputed is None and layer_idx + 1 < self.store.spec.num_layers:
+        self._queries.pop(layer_idx, None)
+        if self.store.config.prefetch and recomputed is None and layer_idx + 1 in self._batch.sparse_layers:
             self._read_ahead(layer_idx + 1)
         return buf, self.k
 
@@ -175,8 +183,10 @@ class SparsePrefill:
         new_keys: torch.Tensor,
         probe_keys: torch.Tensor | None,
         mem: tuple[torch.Tensor, torch.Tensor] | None,
+        mode: str | None = None,
     ) -> RowSelection:
         store, cfg = self.store, self.store.config
+        mode = mode or cfg.selection
         view = lay.at(layer_idx)
 
         def read_units(units: Sequence[int], rows: torch.Tensor | None) -> BlockSet:
@@ -190,7 +200,7 @@ class SparsePrefill:
             blocks = read_units(units, None)
             keys, values = view.gather(units, blocks)
             return RowSelection(keys, values, 1.0, 0.0, False, torch.arange(lay.length), blocks.stats)
-        if mem is not None and probe_keys is None and cfg.selection not in BASELINES:
+        if mem is not None and probe_keys is None and mode not in BASELINES:
             probe_keys = mem[0][list(store.probe.kv_heads)].float()  # exact keys: score with them
         return select_row(
             queries=queries,
@@ -200,7 +210,7 @@ class SparsePrefill:
             layout=view,
             k=k_i,
             read_units=read_units,
-            mode=cfg.selection,
+            mode=mode,
             alpha=cfg.similarity_alpha,
             fixed_threshold=cfg.similarity_threshold,
             seed=layer_idx,

@@ -68,7 +68,7 @@ def recorded(index: Index, path: Path) -> tuple[ModelSpec, ProbeSpec]:
         raise StoreFormatError(
             f"{path} holds no store bound to a model yet; open it once with the model (ImpressStore(path, model))"
         )
-    spec = ModelSpec(**model)
+    spec = ModelSpec.from_dict(model)
     return spec, ProbeSpec(tuple(probe["query_heads"]), tuple(probe["kv_heads"]), probe["encoding"], spec.head_dim)
 
 

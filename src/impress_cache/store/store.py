@@ -385,17 +385,21 @@ class ImpressStore:
         )
 
     # -- writes ----------------------------------------------------------------------
-    def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
+    def put_async(
+        self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
+    ) -> Future[None]:
         """Store a prompt's K/V in the background.
 
         ``keys[layer]`` and ``values[layer]`` are ``[kv_heads, len(tokens), head_dim]``
-        (any device and dtype; they are converted in the writer thread). Only the
-        tokens not already stored are written.
+        per stored layer (any device and dtype; they are converted in the writer thread).
+        Only the tokens not already stored are written. Rows before ``valid_from`` are
+        not real K/V (a window layer never held them): when the store no longer holds
+        that many tokens of the prompt when the writer gets to it, nothing is written.
         """
         self._check_open()
         if self.read_only:
             return _DONE
-        return self._writer.submit(tokens, keys, values)
+        return self._writer.submit(tokens, keys, values, valid_from)
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Store a prompt's K/V and wait until it is on disk and indexed."""

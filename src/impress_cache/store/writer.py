@@ -94,10 +94,12 @@ class PromptWriter:
         #: what a scan retried before a write raised (`flush` raises it)
         self._scan_error: Exception | None = None
 
-    def submit(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
+    def submit(
+        self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
+    ) -> Future[None]:
         arr = as_tokens(tokens).copy()
         check_kv(self._spec, len(arr), keys, values)
-        fut = self._pool.submit(self._write_logged, arr, keys, values)
+        fut = self._pool.submit(self._write_logged, arr, keys, values, valid_from)
         with self._jobs_lock:
             # finished writes are dropped unless they failed: flush() re-raises those
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
@@ -150,7 +152,9 @@ class PromptWriter:
         self._pool.shutdown(wait=True)
 
     # -- one prompt ------------------------------------------------------------------
-    def _write_logged(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def _write_logged(
+        self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
+    ) -> None:
         if self._scan is not None:  # held off by another writer so far
             try:
                 self._try_scan()
@@ -161,7 +165,7 @@ class PromptWriter:
         if self._activity is not None:
             self._activity.enter()
         try:
-            self.write(tokens, keys, values)
+            self.write(tokens, keys, values, valid_from)
         except (OSError, ImpressError) as exc:  # disk full, I/O error, a failed commit
             self.counters.write_failures += 1
             if not self._warned:
@@ -179,10 +183,13 @@ class PromptWriter:
             if self._activity is not None:
                 self._activity.leave()
 
-    def write(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def write(self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0) -> None:
         t0 = time.perf_counter()
         catalog = self._catalog
         m = catalog.match(tokens).length
+        if m < valid_from:  # rows the request never held would be needed: store nothing
+            log.debug("not storing a prompt of %d tokens: %d of them are stored, %d needed", len(tokens), m, valid_from)
+            return
         if m == len(tokens):
             catalog.commit_prompt(tokens, m, None)
             return

@@ -1,0 +1,50 @@
+"""Tiny random models of every decoder-only text family the cache serves, built from
+transformers' own configs (no download): 4 layers, windows of 8 tokens where the family
+has sliding or chunked layers, so that a 90-token prompt exercises hidden rows."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import VOCAB
+
+_BASE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024,
+)
+_WINDOW = dict(sliding_window=8)
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+#: family (transformers model_type) -> config overrides
+FAMILIES: dict[str, dict] = {
+    "llama": {}, "mistral": dict(sliding_window=None), "qwen2": {}, "qwen3": {}, "gemma": {},
+    "gemma2": _WINDOW, "gemma3_text": _WINDOW, "gemma4_text": _WINDOW,
+    "gemma4_text-shared": dict(
+        _WINDOW, num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3
+    ),
+    "gpt_oss": dict(_MOE, **_WINDOW), "phi3": {}, "olmo2": {}, "olmo3": _WINDOW, "smollm3": {}, "granite": {},
+    "cohere2": _WINDOW, "glm4": {}, "exaone4": _WINDOW, "qwen3_moe": {}, "llama4_text": dict(attention_chunk_size=8),
+    "deepseek_v3": dict(
+        num_key_value_heads=4, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=8,
+        kv_lora_rank=32, first_k_dense_replace=1, n_routed_experts=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, moe_intermediate_size=32,
+    ),
+    "seed_oss": {}, "hunyuan_v1_dense": {}, "ministral": _WINDOW, "mixtral": {}, "qwen2_moe": {},
+    "starcoder2": {}, "olmo": {}, "cohere": {}, "stablelm": {}, "helium": {}, "glm": {}, "nemotron": {},
+}
+
+#: families whose layers keep a recurrent state: refused, naming the layer
+STATE_FAMILIES = {"qwen3_next": {}, "qwen3_5_text": {}}
+
+
+def family_model(name: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
+    """The tiny model of family ``name`` (``gemma4_text-shared``: with shared-K/V layers)."""
+    table = {**FAMILIES, **STATE_FAMILIES}
+    cfg = AutoConfig.for_model(name.split("-")[0], **{**_BASE, **table[name], **overrides})
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

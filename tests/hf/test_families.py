@@ -1,0 +1,85 @@
+"""The family matrix: every served decoder-only family reuses stored prefixes exactly
+(tokens and logits against plain ``generate``), and its sparse path runs and answers.
+
+Per family: a prompt stored and then met diverging inside it, a left-padded batch of 2
+with different stored-prefix lengths, and a store reopened (restart). Sliding-window and
+chunked layers read only the rows their window still sees; shared-K/V layers store
+nothing; K and V of different widths (DeepSeek-V3 as transformers caches it) and per-layer
+head dims (Gemma 4) are padded at rest and sliced back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from families import FAMILIES, STATE_FAMILIES, family_model
+from helpers import assert_same_as_uncached, left_pad, run, tokens
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore, UnsupportedModelError
+
+EXACT = ImpressConfig(important_ratio=1.0, chunk_tokens=16)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_exact_reuse(tmp_path, family):
+    model = family_model(family)
+    doc = tokens(1, 90)
+    with ImpressStore(tmp_path, model, EXACT) as store:
+        kinds = [i.kind for i in store.spec.model_layers]
+        assert len(kinds) == model.config.get_text_config(decoder=True).num_hidden_layers
+        assert_same_as_uncached(model, store, doc.unsqueeze(0))
+        c = assert_same_as_uncached(model, store, torch.cat([doc[:61], tokens(2, 20)]).unsqueeze(0))
+        assert c.stats.matched_tokens == 61 and c.stats.computed_tokens == 20
+        a, b = tokens(3, 80), tokens(4, 50)
+        assert_same_as_uncached(model, store, *left_pad([a, b]))
+        c = assert_same_as_uncached(model, store, *left_pad([torch.cat([a[:70], tokens(5, 15)]), torch.cat([b[:40], tokens(6, 10)])]))
+        assert c.stats.reused_columns == 70
+    if "window" in kinds:  # only the rows a window still sees were read: less than every row
+        with ImpressStore(tmp_path, model, EXACT) as store:
+            c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(9, 5)]).unsqueeze(0))
+            assert c.stats.matched_tokens == 90
+            full = store.spec.kv_bytes_per_token * 90
+            assert 0 < c.stats.bytes_read_disk < full
+    else:
+        with ImpressStore(tmp_path, model, EXACT) as store:  # restart
+            c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(9, 5)]).unsqueeze(0))
+            assert c.stats.matched_tokens == 90
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sparse_path_answers(tmp_path, family):
+    """Stored exactly, then read with ``important_ratio=0.25``: full-attention layers load
+    a quarter of the rows; with the defaults (``decode="full"``, refresh) the answer equals
+    plain generate."""
+    model = family_model(family)
+    doc = tokens(1, 200)
+    with ImpressStore(tmp_path, model, EXACT) as store:
+        run(model, doc.unsqueeze(0), cache=ImpressCache(store))
+    prompt = torch.cat([doc, tokens(7, 12)]).unsqueeze(0)
+    ref, ref_logits = run(model, prompt, new_tokens=6)
+    with ImpressStore(tmp_path, model, ImpressConfig(important_ratio=0.25, chunk_tokens=16)) as store:
+        cache = ImpressCache(store)
+        seq, logits = run(model, prompt, cache=cache, new_tokens=6)
+        has_full = any(i.kind == "full" for i in store.spec.model_layers)
+        assert cache.stats.reused_columns == 200
+        if has_full:
+            assert cache.stats.loaded_tokens == 64  # 0.25 of 200, whole 16-row blocks
+        assert torch.equal(seq, ref)
+        assert (logits - ref_logits).abs().max() < 1e-4
+        keep = ImpressCache(store)
+        out, _ = run(model, *left_pad([prompt[0], torch.cat([doc[:150], tokens(8, 9)])]), cache=keep, new_tokens=4)
+        assert out.shape == (2, 216)
+
+
+def test_shared_kv_layers_store_nothing(tmp_path):
+    model = family_model("gemma4_text-shared")
+    with ImpressStore(tmp_path, model, EXACT) as store:
+        kinds = [i.kind for i in store.spec.model_layers]
+        assert kinds.count("shared") == 2 and store.spec.num_layers == 4
+
+
+@pytest.mark.parametrize("family", sorted(STATE_FAMILIES))
+def test_state_layers_are_refused_naming_the_layer(tmp_path, family):
+    model = family_model(family)
+    with pytest.raises(UnsupportedModelError, match=r"layer 0 of .*linear_attention.*recurrent state"):
+        ImpressStore(tmp_path, model, EXACT)
