@@ -5,8 +5,10 @@ the layer is. One forward of two tokens shows the cache layers transformers buil
 the model (``DynamicCache(config=...)`` dispatches on the text config's ``layer_types``)
 and the shapes of their keys and values; `LayerInfo` records, per model layer, its kind
 (`LAYER_KINDS`), its window and its K/V shapes. Full and window layers store K/V; a layer
-that reuses another layer's K/V, or has no attention, stores nothing. Layers that keep a
-recurrent state (linear attention, SSM, convolution) are refused, naming the layer.
+that reuses another layer's K/V, or has no attention, stores nothing. A layer that keeps a
+recurrent state (linear attention, SSM, convolution) stores no rows: its state is kept in
+checkpoints (`store.states`). A layer with both a state and K/V in one is refused, naming
+the layer.
 
 The store keeps every stored layer at one padded width (the largest KV-head count and
 head dim over the stored layers; keys and values of different widths are padded to the
@@ -29,11 +31,12 @@ from .errors import ModelMismatchError, UnsupportedModelError
 #: ``full``: attends to every earlier row (stored; sparse loading possible);
 #: ``window``: sliding-window or chunked attention (stored; only the rows still visible
 #: at the match point are read);
-#: ``shared``: uses another layer's K/V, or has no attention (nothing stored)
-LAYER_KINDS = ("full", "window", "shared")
+#: ``shared``: uses another layer's K/V, or has no attention (nothing stored);
+#: ``state``: keeps a recurrent state valid at one position (checkpoints, no rows)
+LAYER_KINDS = ("full", "window", "shared", "state")
 
-#: transformers' cache layer classes that keep a recurrent state instead of (or beside) K/V
-_STATE_LAYERS = ("LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+#: transformers' cache layer classes that keep a recurrent state beside K/V (refused)
+_HYBRID_LAYERS = ("LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -52,13 +55,15 @@ class LayerInfo:
     k_dim: int = 0
     v_heads: int = 0
     v_dim: int = 0
+    #: state kind: how many conv / recurrent states the layer keeps
+    states: int = 0
 
     @property
     def stored(self) -> bool:
         return self.kind in ("full", "window")
 
     def as_list(self) -> list[Any]:
-        return [self.kind, self.layer_type, self.window, self.k_heads, self.k_dim, self.v_heads, self.v_dim]
+        return [self.kind, self.layer_type, self.window, self.k_heads, self.k_dim, self.v_heads, self.v_dim, self.states]
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,11 @@ class ModelSpec:
             h, d = self.num_kv_heads, self.head_dim
             return tuple(LayerInfo("full", "full_attention", 0, h, d, h, d) for _ in range(self.num_layers))
         return tuple(LayerInfo(*row) for row in json.loads(self.layers))
+
+    @functools.cached_property
+    def state_layers(self) -> tuple[int, ...]:
+        """Model layer index of every layer that keeps a recurrent state."""
+        return tuple(i for i, info in enumerate(self.model_layers) if info.kind == "state")
 
     @functools.cached_property
     def stored_layers(self) -> tuple[int, ...]:
@@ -166,7 +176,7 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
     device = param.device if param is not None else torch.device("cpu")
     with torch.no_grad():
         out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
-    cache = getattr(out, "past_key_values", None)
+    cache = out.get("cache", None) or out.get("past_key_values", None)  # (5.24 / 5.23 names; no deprecated property)
     cache_layers = getattr(cache, "layers", None)
     if cache_layers is None:
         raise UnsupportedModelError(f"{name} returned no layered cache from a forward with use_cache=True")
@@ -176,11 +186,14 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
         cls = type(layer).__name__
         layer_type = str(types[i]) if i < len(types) else "full_attention"
         where = f"layer {i} of {name} ({layer_type}, transformers cache layer {cls})"
-        if cls in _STATE_LAYERS:
+        if cls in _HYBRID_LAYERS:
             raise UnsupportedModelError(
-                f"{where} keeps a recurrent state (linear attention, SSM or convolution), which is valid only at "
-                "the position where it was taken; impress_cache stores K/V rows and cannot serve such layers yet"
+                f"{where} keeps a recurrent state and K/V in one layer; impress_cache serves state layers and "
+                "attention layers, not both in one layer yet"
             )
+        if cls == "LinearAttentionLayer":
+            infos.append(LayerInfo("state", layer_type, states=int(getattr(layer, "number_of_states", 1))))
+            continue
         if cls == "DummyLayer":  # reuses another layer's K/V (kv sharing), or no attention at all
             infos.append(LayerInfo("shared", layer_type))
             continue

@@ -34,17 +34,25 @@ FAMILIES: dict[str, dict] = {
     "starcoder2": {}, "olmo": {}, "cohere": {}, "stablelm": {}, "helium": {}, "glm": {}, "nemotron": {},
 }
 
-#: families whose layers keep a recurrent state: refused, naming the layer
-STATE_FAMILIES = {"qwen3_next": {}, "qwen3_5_text": {}}
+#: hybrid families: recurrent-state layers (linear attention, convolution, Mamba) beside attention
+STATE_FAMILIES = {
+    "qwen3_next": {}, "qwen3_5_text": {}, "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention", "mamba", "attention"], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
+        mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
+    ),
+}
+#: a layer holding a state and K/V in one: refused, naming the layer
+REFUSED_FAMILIES = {"falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)}
 
 
-def family_model(name: str, attn: str = "sdpa", **overrides) -> torch.nn.Module:
-    """The tiny model of family ``name`` (``gemma4_text-shared``: with shared-K/V layers)."""
-    table = {**FAMILIES, **STATE_FAMILIES}
+def family_model(name: str, attn: str | None = None, **overrides) -> torch.nn.Module:
+    """The tiny model of family ``name`` (``gemma4_text-shared``: with shared-K/V layers),
+    with ``attn`` or the family's default attention (sdpa where it has it, else eager)."""
+    table = {**FAMILIES, **STATE_FAMILIES, **REFUSED_FAMILIES}
     cfg = AutoConfig.for_model(name.split("-")[0], **{**_BASE, **table[name], **overrides})
-    cfg._attn_implementation = attn
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg, **({"attn_implementation": attn} if attn else {})).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

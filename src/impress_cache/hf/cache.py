@@ -31,7 +31,7 @@ from ..stats import RequestStats
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
-from .layers import ImpressLayer, make_layers
+from .layers import ImpressLayer, make_layers, restore_states, state_tensors
 from .refresh import recompute_new_tokens
 from .request import PrefixRequest
 
@@ -96,6 +96,8 @@ class ImpressCache(Cache):
         self._restore_rows: torch.Tensor | None = None
         #: the uncertainty guard looks at the logits of the forward that ends the prefill
         self._guard_pending = False
+        #: a hybrid model's states go to a checkpoint after the prefill
+        self._checkpoint_due = False
         #: forwards after the prefill, and whether this one re-selects (``keep_reselect``)
         self._decode_steps = 0
         self._reselect_now = False
@@ -124,6 +126,9 @@ class ImpressCache(Cache):
         req = PrefixRequest(self.store, ids, mask, reuse=reuse)
         for m, s in self._stored.items():
             self.layers[m].start_with(req.reused, req.reused - req.held[s])
+        if req.states is not None and req.reused:
+            restore_states(self.store.spec, self.layers, req.states, self.store.device)
+        self._checkpoint_due = self.store.states is not None and self.store_prompt and req.sparse is None
         self._request = req
         self._guard = PromptGuard(req)
 
@@ -255,6 +260,11 @@ class ImpressCache(Cache):
         guard. When the gap is below ``guard_margin`` (``decode="full"``), the whole
         prefix is restored and the new tokens recomputed now, and the exact logits
         replace the sparse ones before ``generate`` picks the first token."""
+        if self._checkpoint_due:  # the prefill's forward: the states after the whole prompt
+            self._checkpoint_due = False
+            req = self._request
+            if req is not None and req.ids.shape[0] == 1 and bool(req.mask.all()):
+                self.store.put_states_async(req.ids[0].tolist(), state_tensors(self.store.spec, self.layers))
         if not self._guard_pending:
             return
         self._guard_pending = False

@@ -53,6 +53,10 @@ def generate_attention_mask(input_ids: torch.Tensor, generation_config: Any, kwa
     return input_ids.ne(int(pad_ids[0])).long()
 
 
+#: parts of ``generate`` argument names that carry images, audio or video
+_NON_TEXT_INPUTS = ("pixel_values", "image", "video", "audio", "input_features", "input_values")
+
+
 def unsupported_generation(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> str | None:
     """Name the generation feature of a ``generate`` call an ImpressCache cannot serve, if any.
 
@@ -60,20 +64,28 @@ def unsupported_generation(model: torch.nn.Module, kwargs: Mapping[str, Any]) ->
     ``assistant_early_exit``, multi-token prediction) runs the whole prompt plus draft
     tokens in its first forward without asking the cache how much it holds, and chunked
     prefill (``prefill_chunk_size``) shows ``prepare_inputs_for_generation`` one chunk
-    at a time; both in 5.23 and 5.24.
+    at a time; both in 5.23 and 5.24. Images, audio or video (``pixel_values=`` and
+    the like) make K/V that token ids alone do not determine.
     """
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
     def setting(name: str) -> Any:
         return kwargs[name] if name in kwargs else getattr(config, name, None)
 
+    for name, value in kwargs.items():
+        if value is not None and any(part in name for part in _NON_TEXT_INPUTS):
+            return (
+                f"a prompt with non-text inputs ({name}=): its K/V depend on more than the token ids, "
+                "so a store keyed on token ids must not serve or keep it"
+            )
+    first_step = ": transformers runs the prompt and draft tokens in its first step without asking the cache what it holds"
     if kwargs.get("assistant_model") is not None:
-        return "assisted decoding (assistant_model=)"
+        return "assisted decoding (assistant_model=)" + first_step
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
         if setting(name) is not None:
-            return f"assisted decoding ({name}=)"
+            return f"assisted decoding ({name}=)" + first_step
     if setting("use_mtp"):
-        return "multi-token-prediction decoding (use_mtp=)"
+        return "multi-token-prediction decoding (use_mtp=)" + first_step
     if setting("prefill_chunk_size") is not None:
-        return "chunked prefill (prefill_chunk_size=)"
+        return "chunked prefill (prefill_chunk_size=): prepare_inputs_for_generation sees one chunk at a time"
     return None

@@ -31,6 +31,7 @@ cache, ``inputs_embeds``, assisted decoding) runs as if the hooks were not there
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -131,10 +132,7 @@ def _begin_generate(model: torch.nn.Module, cache: Any, args: tuple, kwargs: dic
     """Refuse what a stored prefix cannot serve; bind the cache to the prompt."""
     feature = unsupported_generation(model, kwargs)
     if feature is not None:
-        raise CacheUsageError(
-            f"{feature} is not supported with an ImpressCache: transformers runs the prompt and draft tokens in "
-            "its first step without asking the cache what it holds. Generate without it, or without the ImpressCache"
-        )
+        raise CacheUsageError(f"{feature} is not supported with an ImpressCache. Generate without it, or without the ImpressCache")
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     if ids is None:
         raise CacheUsageError("ImpressCache needs input_ids; inputs_embeds alone are not supported")
@@ -202,7 +200,11 @@ def _rotate(attn: torch.nn.Module, q: torch.Tensor, rope: Any) -> torch.Tensor:
     cos, sin = rope
     fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
     if fn is not None:
-        return fn(q, q, cos, sin)[0]
+        params = list(inspect.signature(fn).parameters)
+        if params[:2] == ["q", "k"]:
+            return fn(q, q, cos, sin)[0]
+        if params[:1] == ["x"] and "unsqueeze_dim" in params:  # one tensor at a time (Gemma 4)
+            return fn(q, cos, sin, unsqueeze_dim=1)
     half = q.shape[-1] // 2
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin

@@ -29,7 +29,9 @@ def recompute_prefix(
     cols = mask[:, :reused].to(device)
     positions = (cols.long().cumsum(-1) - 1).clamp(min=0)
     decoder = model.get_decoder()
-    cache = DynamicCache()  # plain layers: every row of window layers too
+    # plain layers keep every row of window layers too; a model with state layers needs
+    # its own layer kinds (its window layers then hold their last rows: zeros in front)
+    cache = DynamicCache(config=model.config) if spec.state_layers else DynamicCache()
     decoder(
         input_ids=ids[:, :reused].to(device), attention_mask=cols.long(), position_ids=positions, use_cache=True,
         **{CACHE_KWARG: cache},
@@ -39,5 +41,7 @@ def recompute_prefix(
     for m in spec.stored_layers:
         layer = cache.layers[m]
         k, v = to_stored(spec, spec.model_layers[m], layer.keys, layer.values)
+        if k.shape[2] < reused:
+            k, v = (torch.nn.functional.pad(t, (0, 0, reused - t.shape[2], 0)) for t in (k, v))
         result.append((k.masked_fill(pad, 0), v.masked_fill(pad, 0)))
     return result

@@ -74,6 +74,8 @@ class PrefixRequest:
         self.held: list[int] = [0] * store.spec.num_layers
         #: stored layers whose rows a sparse prefill chooses
         self.sparse_layers: set[int] = set()
+        #: a hybrid model's checkpointed states at ``reused`` (see `store.states`)
+        self.states: dict[str, torch.Tensor] | None = None
         self._recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prefill_started: float | None = None
         t0 = time.perf_counter()
@@ -128,6 +130,8 @@ class PrefixRequest:
         for attempt in range(_REMATCHES):
             matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
             self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
+            if store.states is not None:  # reuse only up to a checkpoint of every state layer
+                self.reused = reused = self._checkpoint(rows, pads, matches)
             if reused == 0:
                 break
             k = self._rows_per_layer(reused)
@@ -157,6 +161,21 @@ class PrefixRequest:
         if len(self.sparse_layers) < len(self.held):
             dense: list[int | None] = [None if s in self.sparse_layers else h for s, h in enumerate(self.held)]
             self._dense = DenseLoader(store, layouts, pads, reused, room, self.stats, dense)
+
+    def _checkpoint(self, rows: list[torch.Tensor], pads: list[int], matches: list[Match]) -> int:
+        """A hybrid model's request reuses a prefix only up to the largest stored
+        checkpoint of its states inside the match (candidates: the node boundaries of the
+        match, where stored prompts end); one unpadded row only (a padded row's states
+        are not those of its tokens alone)."""
+        assert self.store.states is not None
+        if len(rows) != 1 or pads[0] or not matches[0].length:
+            return 0
+        ends, at = [], 0
+        for seg in matches[0].segments:
+            at += seg.length
+            ends.append(at)
+        p, self.states = self.store.states.best(rows[0].numpy(), ends)
+        return p
 
     def _rows_per_layer(self, reused: int) -> int:
         """``k = ceil(important_ratio * C)``, whole blocks with block selection."""
@@ -338,7 +357,7 @@ def held_rows(spec: ModelSpec, reused: int, k: int) -> tuple[list[int], set[int]
     layers hold ``k`` rows each when ``k < reused`` and their keys are stored at their own
     width (the probes score them), else every row."""
     infos = [spec.model_layers[m] for m in spec.stored_layers]
-    sparse_ok = k < reused and all(
+    sparse_ok = k < reused and not spec.state_layers and all(
         (i.k_heads, i.k_dim) == (spec.num_kv_heads, spec.head_dim) for i in infos if i.kind == "full"
     )
     held: list[int] = []

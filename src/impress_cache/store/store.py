@@ -59,6 +59,7 @@ from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
 from .warmup import warmup
+from .states import StateCheckpoints
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class ImpressStore:
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
+        #: checkpoints of the model's recurrent-state layers (None: the model has none)
+        self.states = StateCheckpoints(self.path, self.spec.weights_sha256, cfg.file_mode, cfg.fsync, self.read_only) if self.spec.state_layers else None
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
@@ -401,6 +404,14 @@ class ImpressStore:
             return _DONE
         return self._writer.submit(tokens, keys, values, valid_from)
 
+    def put_states_async(self, tokens: Sequence[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Keep a hybrid model's state-layer states after ``tokens`` (CPU copies) as a
+        checkpoint, on the writer thread after the prompts submitted before it."""
+        self._check_open()
+        states = self.states
+        if states is not None and not self.read_only:
+            self._writer.submit_job(lambda: _logged(states.put, tokens, tensors))
+
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Store a prompt's K/V and wait until it is on disk and indexed."""
         self.put_async(tokens, keys, values).result()
@@ -537,6 +548,8 @@ class ImpressStore:
 
             ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one;
             ``saved_rows_skipped``: saved statistics skipped as impossible, per kind.
+            ``state_checkpoints`` and ``state_bytes``: the recurrent-state checkpoints of a
+            hybrid model (0 for other models; `states`).
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
@@ -544,6 +557,7 @@ class ImpressStore:
         )
         out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
         out.update(remote=self._remote.stats(), saved_rows_skipped=dict(self._stats.skipped))
+        out["state_checkpoints"], out["state_bytes"] = self.states.usage() if self.states is not None else (0, 0)
         return out
 
     def reset_stats(self) -> None:
@@ -554,6 +568,13 @@ class ImpressStore:
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()
+
+
+def _logged(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except (OSError, ImpressError) as exc:  # a checkpoint is an optimisation: its loss costs a recompute
+        log.warning("a state checkpoint was not stored: %s", exc)
 
 
 def _model_device(model: torch.nn.Module | None) -> torch.device:

@@ -124,6 +124,14 @@ class PromptWriter:
         if scan is not None and not scan():
             self._scan = scan
 
+    def submit_job(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the writer thread after the writes submitted before it; `flush`
+        waits for it (and raises what it raised)."""
+        fut = self._pool.submit(fn)
+        with self._jobs_lock:
+            self._pending.append(fut)
+        return fut
+
     def background(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the writer thread (ignored once the writer is closed)."""
         try:

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DummyLayer
+from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
 from ...model_info import LayerInfo, ModelSpec
 from .full import ImpressLayer
 from .window import ImpressWindowLayer
 
-LAYER_CLASSES: dict[str, type] = {"full": ImpressLayer, "window": ImpressWindowLayer, "shared": DummyLayer}
+LAYER_CLASSES: dict[str, type] = {
+    "full": ImpressLayer, "window": ImpressWindowLayer, "shared": DummyLayer, "state": LinearAttentionLayer,
+}
 
 
 def make_layers(spec: ModelSpec) -> list[Any]:
@@ -25,8 +27,44 @@ def make_layers(spec: ModelSpec) -> list[Any]:
     stored = {m: s for s, m in enumerate(spec.stored_layers)}
     for m, info in enumerate(spec.model_layers):
         cls = LAYER_CLASSES[info.kind]
-        out.append(cls() if cls is DummyLayer else cls(info=info, padded=spec.padded(stored[m])))
+        if info.kind == "shared":
+            out.append(cls())
+        elif info.kind == "state":
+            out.append(cls(number_of_states=info.states))
+        else:
+            out.append(cls(info=info, padded=spec.padded(stored[m])))
     return out
+
+
+def state_tensors(spec: ModelSpec, layers: list[Any], row: int = 0) -> dict[str, torch.Tensor]:
+    """Copies of batch row ``row``'s conv and recurrent states of every state layer
+    (``L{layer}.conv{i}`` / ``L{layer}.rec{i}``), for a checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for m in spec.state_layers:
+        layer = layers[m]
+        for i in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[i]:
+                out[f"L{m}.conv{i}"] = layer.conv_states[i][row : row + 1].detach().to("cpu", copy=True)
+            if layer.is_recurrent_states_initialized[i]:
+                out[f"L{m}.rec{i}"] = layer.recurrent_states[i][row : row + 1].detach().to("cpu", copy=True)
+    return out
+
+
+def restore_states(spec: ModelSpec, layers: list[Any], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put a checkpoint's states into the state layers: the next forward continues after
+    the checkpoint's last token."""
+    for m in spec.state_layers:
+        layer = layers[m]
+        for i in range(layer.number_of_states):
+            conv, rec = tensors.get(f"L{m}.conv{i}"), tensors.get(f"L{m}.rec{i}")
+            if conv is not None:
+                conv = conv.to(device)
+                layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=conv.shape[-1])
+                layer.conv_states[i].copy_(conv)
+            if rec is not None:
+                layer.lazy_initialization(recurrent_states=rec.to(device), state_idx=i)
+                layer.recurrent_states[i].copy_(rec.to(device))
+            layer.has_previous_state[i] = conv is not None or rec is not None
 
 
 def to_stored(spec: ModelSpec, info: LayerInfo, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,4 +81,4 @@ def to_stored(spec: ModelSpec, info: LayerInfo, keys: torch.Tensor, values: torc
     return out[0], out[1]
 
 
-__all__ = ["LAYER_CLASSES", "ImpressLayer", "ImpressWindowLayer", "make_layers", "to_stored"]
+__all__ = ["LAYER_CLASSES", "ImpressLayer", "ImpressWindowLayer", "make_layers", "restore_states", "state_tensors", "to_stored"]
