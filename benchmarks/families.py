@@ -9,7 +9,11 @@ with ``important_ratio=1.0``, then reuse it for the prefix plus 12 new tokens:
 * ``read_vs_all_rows``: bytes read from disk over the K/V of every stored layer's prefix
   rows (what a prefix store must keep: later prompts may match anywhere);
 * ``read_vs_cache_file``: bytes read over a safetensors file of transformers' own
-  ``DynamicCache`` after the prefix (which keeps only the window of sliding layers).
+  ``DynamicCache`` after the prefix (which keeps only the window of sliding layers);
+* hybrid families: ``state_bytes`` of the checkpoint kept after the stored prefix, over
+  the K/V bytes of the same prefix (``state_vs_kv``); and the same ratio for each hybrid
+  family's default (real-size) configuration, from shapes alone (a forward on the
+  ``meta`` device, bf16).
 
     python benchmarks/families.py --out results/families.json
 """
@@ -24,11 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"), str(Path(__file__).resolve().parents[1] / "tests" / "hf")]
 
-from families import FAMILIES, family_model  # noqa: E402
+from families import FAMILIES, STATE_FAMILIES, family_model  # noqa: E402
 from helpers import run, tokens  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -50,7 +54,7 @@ def cache_file_bytes(model: torch.nn.Module, ids: torch.Tensor, where: Path) -> 
 
 def one(name: str, prefix: int) -> dict:
     defaults = AutoConfig.for_model(name.split("-")[0])  # the family's own window sizes, not the tests' 8
-    windows = {k: getattr(defaults, k) for k in ("sliding_window", "attention_chunk_size") if k in FAMILIES[name]}
+    windows = {k: getattr(defaults, k) for k in ("sliding_window", "attention_chunk_size") if k in FAMILIES.get(name, {})}
     model = family_model(name, **windows)
     doc = tokens(1, prefix)
     prompt = torch.cat([doc, tokens(7, 12)]).unsqueeze(0)
@@ -61,6 +65,7 @@ def one(name: str, prefix: int) -> dict:
             run(model, doc.unsqueeze(0), cache=ImpressCache(store), new_tokens=1)
             store.flush()
             spec = store.spec
+            state_bytes = store.stats()["state_bytes"]
         ref, ref_logits = run(model, prompt, new_tokens=4)
         with ImpressStore(d, model, exact) as store:
             c = ImpressCache(store)
@@ -81,13 +86,33 @@ def one(name: str, prefix: int) -> dict:
         "sparse_answer_equal": bool(torch.equal(sseq, ref)), "sparse_loaded_tokens": s.stats.loaded_tokens,
         "bytes_read": read, "all_rows_bytes": own, "cache_file_bytes": file_bytes,
         "read_vs_all_rows": read / own, "read_vs_cache_file": read / file_bytes, "seconds": time.perf_counter() - t0,
+        "state": kinds.count("state"), "state_bytes": state_bytes, "state_vs_kv": state_bytes / own if own else None,
     }
+
+
+def real_config_state_ratio(name: str, prefix: int) -> dict:
+    """A hybrid family's default configuration: bytes of one checkpoint of every state
+    layer over the K/V bytes of ``prefix`` tokens (bf16), from shapes on the meta device."""
+    cfg = AutoConfig.for_model(name)
+    cfg.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        out = model(torch.tensor([[1, 2]], device="meta"), use_cache=True)
+    cache = out.get("cache", None) or out.get("past_key_values", None)
+    state = kv = 0
+    for layer in cache.layers:
+        if type(layer).__name__ == "LinearAttentionLayer":
+            for i in range(layer.number_of_states):
+                state += sum(t.numel() * 2 for t in (layer.conv_states[i], layer.recurrent_states[i]) if t is not None)
+        elif getattr(layer, "keys", None) is not None:
+            kv += (layer.keys.shape[1] * layer.keys.shape[3] + layer.values.shape[1] * layer.values.shape[3]) * 2
+    return {"family": name, "state_bytes": state, "kv_bytes_per_token": kv, "state_vs_kv": state / (kv * prefix)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--families", nargs="*", default=sorted(FAMILIES))
+    ap.add_argument("--families", nargs="*", default=sorted(FAMILIES) + sorted(STATE_FAMILIES))
     ap.add_argument("--out", type=Path, default=Path("results/families.json"))
     args = ap.parse_args()
     rows = []
@@ -98,16 +123,25 @@ def main() -> None:
             rows.append({"family": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         r = rows[-1]
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "family"}, flush=True)
+    real = []
+    for name in sorted(STATE_FAMILIES):
+        try:
+            real.append(real_config_state_ratio(name, args.prefix))
+        except Exception as exc:  # noqa: BLE001 - reported
+            real.append({"family": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print("default config", real[-1], flush=True)
     import transformers
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"prefix": args.prefix, "transformers": transformers.__version__, "rows": rows}, indent=1))
-    print("| family | layers (full / window / shared) | windows | exact | sparse answer | read / every layer's rows | read / DynamicCache file |")
+    args.out.write_text(json.dumps(
+        {"prefix": args.prefix, "transformers": transformers.__version__, "rows": rows, "default_configs": real}, indent=1
+    ))
+    print("| family | layers (full / window / shared / state) | windows | exact | sparse answer | read / every layer's rows | read / DynamicCache file |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['family']} | error: {r['error']} | | | | | |")
             continue
-        print(f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']}) | {', '.join(map(str, r['windows'])) or '-'} "
+        print(f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']} / {r['state']}) | {', '.join(map(str, r['windows'])) or '-'} "
               f"| {'yes' if r['exact'] else 'NO'} | {'same' if r['sparse_answer_equal'] else 'differs'} "
               f"| {r['read_vs_all_rows']:.2f} | {r['read_vs_cache_file']:.2f} |")
 

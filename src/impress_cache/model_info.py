@@ -174,8 +174,15 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
     name = f"{text.model_type} ({type(model).__name__})"
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
+    # one thread: two tokens need no more, and a process forked from one that ran torch
+    # with a thread pool would hang in that pool (the store is often opened in such a child)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=True)
+    finally:
+        torch.set_num_threads(threads)
     cache = out.get("cache", None) or out.get("past_key_values", None)  # (5.24 / 5.23 names; no deprecated property)
     cache_layers = getattr(cache, "layers", None)
     if cache_layers is None:

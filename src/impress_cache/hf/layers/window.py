@@ -14,12 +14,8 @@ from .full import ImpressLayer
 
 
 class ImpressWindowLayer(ImpressLayer):
-    """An `ImpressLayer` that holds only the rows its window still sees (``is_sliding``
-    tells the mask helpers to build this layer's mask with the window)."""
+    """An `ImpressLayer` that holds only the rows its window still sees (how many: the
+    request's `held_rows`; ``is_sliding`` tells the mask helpers to build this layer's
+    mask with the window)."""
 
     is_sliding = True
-
-    def visible(self, reused: int) -> int:
-        """Prefix rows still visible to the token after ``reused`` of them."""
-        assert self.info is not None
-        return min(reused, max(self.info.window - 1, 0))
