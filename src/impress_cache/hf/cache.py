@@ -264,7 +264,8 @@ class ImpressCache(Cache):
             self._checkpoint_due = False
             req = self._request
             if req is not None and req.ids.shape[0] == 1 and bool(req.mask.all()):
-                self.store.put_states_async(req.ids[0].tolist(), state_tensors(self.store.spec, self.layers))
+                assert self.store.states is not None
+                self.store.states.put_async(req.ids[0].tolist(), state_tensors(self.store.spec, self.layers))
         if not self._guard_pending:
             return
         self._guard_pending = False

@@ -19,8 +19,9 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -28,6 +29,9 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from ..config import ImpressConfig
+from ..errors import ImpressError
+from ..model_info import ModelSpec
 from .directory import dir_mode, ensure_dir, write_file
 
 log = logging.getLogger(__name__)
@@ -46,17 +50,55 @@ def _crc(tensors: dict[str, torch.Tensor]) -> str:
 class StateCheckpoints:
     """The state checkpoints of one store (created on the first write)."""
 
-    def __init__(self, root: Path, model_digest: str, file_mode: int, fsync: bool, read_only: bool) -> None:
+    def __init__(
+        self, root: Path, model_digest: str, file_mode: int, fsync: bool, read_only: bool,
+        submit: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> None:
         self.dir = root / STATE_DIR
+        #: runs a job on the store's writer thread (after the prompts submitted before it)
+        self._submit = submit
         self._digest = model_digest
         self._mode = file_mode
         self._fsync = fsync
         self._read_only = read_only
 
+    @classmethod
+    def of(
+        cls, root: Path, spec: ModelSpec, config: ImpressConfig, read_only: bool, submit: Callable[[Callable[[], Any]], Any]
+    ) -> "StateCheckpoints | None":
+        """The checkpoints of a store of ``spec``'s model (None: it has no state layer)."""
+        if not spec.state_layers:
+            return None
+        return cls(root, spec.weights_sha256, config.file_mode, config.fsync, read_only, submit)
+
+    @staticmethod
+    def usage_of(states: "StateCheckpoints | None") -> tuple[int, int]:
+        """`usage`, or ``(0, 0)`` without checkpoints."""
+        return states.usage() if states is not None else (0, 0)
+
     @staticmethod
     def name(tokens: Sequence[int] | np.ndarray) -> str:
         """The file name of the checkpoint after ``tokens``."""
         return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest() + ".safetensors"
+
+    def put_async(self, tokens: Sequence[int], tensors: dict[str, torch.Tensor]) -> None:
+        """`put` on the writer thread, after the prompt's K/V submitted before it (CPU
+        copies expected); a failure is logged: a lost checkpoint costs a recompute."""
+        if self._read_only:
+            return
+        if self._submit is None:
+            self._put_logged(tokens, tensors)
+            return
+        try:
+            self._submit(lambda: self._put_logged(tokens, tensors))
+        except RuntimeError:  # the store is closing
+            log.debug("the store is closing: a state checkpoint is not stored")
+
+    def _put_logged(self, tokens: Sequence[int], tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            self.put(tokens, tensors)
+        except (OSError, ImpressError) as exc:
+            log.warning("a state checkpoint was not stored: %s", exc)
 
     def put(self, tokens: Sequence[int] | np.ndarray, tensors: dict[str, torch.Tensor]) -> int:
         """Keep the states after ``tokens`` (CPU tensors); returns the bytes written (0

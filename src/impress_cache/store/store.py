@@ -182,8 +182,7 @@ class ImpressStore:
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
-        #: checkpoints of the model's recurrent-state layers (None: the model has none)
-        self.states = StateCheckpoints(self.path, self.spec.weights_sha256, cfg.file_mode, cfg.fsync, self.read_only) if self.spec.state_layers else None
+        self.states = StateCheckpoints.of(self.path, self.spec, cfg, self.read_only, self._writer.submit_job)
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
         #: threads that read requests' prefixes layer by layer while the model computes
@@ -388,29 +387,14 @@ class ImpressStore:
         )
 
     # -- writes ----------------------------------------------------------------------
-    def put_async(
-        self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
-    ) -> Future[None]:
-        """Store a prompt's K/V in the background.
-
-        ``keys[layer]`` and ``values[layer]`` are ``[kv_heads, len(tokens), head_dim]``
-        per stored layer (any device and dtype; they are converted in the writer thread).
-        Only the tokens not already stored are written. Rows before ``valid_from`` are
-        not real K/V (a window layer never held them): when the store no longer holds
-        that many tokens of the prompt when the writer gets to it, nothing is written.
-        """
+    def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0) -> Future[None]:
+        """Store a prompt's K/V in the background: ``keys[layer]``, ``values[layer]`` are ``[kv_heads,
+        len(tokens), head_dim]`` per stored layer (any device, dtype); only tokens not stored yet are
+        written. Rows before ``valid_from`` are not K/V (a window never held them): no write unless stored."""
         self._check_open()
         if self.read_only:
             return _DONE
         return self._writer.submit(tokens, keys, values, valid_from)
-
-    def put_states_async(self, tokens: Sequence[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Keep a hybrid model's state-layer states after ``tokens`` (CPU copies) as a
-        checkpoint, on the writer thread after the prompts submitted before it."""
-        self._check_open()
-        states = self.states
-        if states is not None and not self.read_only:
-            self._writer.submit_job(lambda: _logged(states.put, tokens, tensors))
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Store a prompt's K/V and wait until it is on disk and indexed."""
@@ -548,8 +532,7 @@ class ImpressStore:
 
             ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one;
             ``saved_rows_skipped``: saved statistics skipped as impossible, per kind.
-            ``state_checkpoints`` and ``state_bytes``: the recurrent-state checkpoints of a
-            hybrid model (0 for other models; `states`).
+            ``state_checkpoints``, ``state_bytes``: a hybrid model's state checkpoints.
         """
         out = build_stats(
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
@@ -557,7 +540,7 @@ class ImpressStore:
         )
         out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
         out.update(remote=self._remote.stats(), saved_rows_skipped=dict(self._stats.skipped))
-        out["state_checkpoints"], out["state_bytes"] = self.states.usage() if self.states is not None else (0, 0)
+        out["state_checkpoints"], out["state_bytes"] = StateCheckpoints.usage_of(self.states)
         return out
 
     def reset_stats(self) -> None:
@@ -568,13 +551,6 @@ class ImpressStore:
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()
-
-
-def _logged(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except (OSError, ImpressError) as exc:  # a checkpoint is an optimisation: its loss costs a recompute
-        log.warning("a state checkpoint was not stored: %s", exc)
 
 
 def _model_device(model: torch.nn.Module | None) -> torch.device:

@@ -15,7 +15,7 @@ with ``important_ratio=1.0``, then reuse it for the prefix plus 12 new tokens:
   family's default (real-size) configuration, from shapes alone (a forward on the
   ``meta`` device, bf16).
 
-    python benchmarks/families.py --out results/families.json
+    python benchmarks/model_families.py --out results/families.json
 """
 
 from __future__ import annotations
@@ -90,6 +90,34 @@ def one(name: str, prefix: int) -> dict:
     }
 
 
+def default_mix(name: str, prefix: int) -> dict:
+    """The family's default (real-size) configuration's layer mix, and the share of every
+    layer's prefix rows a request reads at ``prefix`` tokens (window layers: their last
+    ``window - 1`` rows; equal widths assumed), from the configuration alone."""
+    cfg = AutoConfig.for_model(name.split("-")[0])
+    n = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:
+        window = getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None)
+        types = ["sliding_attention" if window else "full_attention"] * n
+    kinds = {"full": 0, "window": 0, "state": 0, "shared": 0}
+    rows = 0
+    for t in types[:n]:
+        if t in ("sliding_attention", "chunked_attention"):
+            w = getattr(cfg, "sliding_window", None) if t == "sliding_attention" else getattr(cfg, "attention_chunk_size", None)
+            kinds["window"] += 1
+            rows += min(prefix, int(w) - 1)
+        elif t in ("linear_attention", "conv", "mamba"):
+            kinds["state"] += 1
+        elif t in ("moe", "mlp"):
+            kinds["shared"] += 1
+        else:
+            kinds["full"] += 1
+            rows += prefix
+    stored = kinds["full"] + kinds["window"]
+    return {"family": name, "layers": n, **kinds, "read_vs_all_rows": rows / (stored * prefix) if stored else None}
+
+
 def real_config_state_ratio(name: str, prefix: int) -> dict:
     """A hybrid family's default configuration: bytes of one checkpoint of every state
     layer over the K/V bytes of ``prefix`` tokens (bf16), from shapes on the meta device."""
@@ -123,6 +151,12 @@ def main() -> None:
             rows.append({"family": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
         r = rows[-1]
         print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "family"}, flush=True)
+    mixes = []
+    for name in args.families:
+        try:
+            mixes.append(default_mix(name, args.prefix))
+        except Exception as exc:  # noqa: BLE001 - reported
+            mixes.append({"family": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
     real = []
     for name in sorted(STATE_FAMILIES):
         try:
@@ -133,17 +167,36 @@ def main() -> None:
     import transformers
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(
-        {"prefix": args.prefix, "transformers": transformers.__version__, "rows": rows, "default_configs": real}, indent=1
+        {"command": "python " + " ".join(sys.argv), "prefix": args.prefix, "transformers": transformers.__version__,
+         "rows": rows, "default_configs": real,
+         "default_mixes": mixes}, indent=1
     ))
-    print("| family | layers (full / window / shared / state) | windows | exact | sparse answer | read / every layer's rows | read / DynamicCache file |")
-    print("|---|---|---|---|---|---|---|")
+    print(table(rows, mixes))
+
+
+def table(rows: list[dict], mixes: list[dict]) -> str:
+    """The docs' table: the tiny model's run beside the default configuration's mix."""
+    mix = {m["family"]: m for m in mixes}
+    out = [
+        "| family | tiny model: layers (full / window / shared / state) | exact | sparse answer | read / every layer's rows "
+        "| read / DynamicCache file | default config: layers (full / window / state) | read / every layer's rows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
+        m = mix.get(r["family"], {})
+        dm = ("-", "-") if "layers" not in m else (
+            f"{m['layers']} ({m['full']} / {m['window']} / {m['state']})",
+            "-" if m["read_vs_all_rows"] is None else f"{m['read_vs_all_rows']:.2f}",
+        )
         if "error" in r:
-            print(f"| {r['family']} | error: {r['error']} | | | | | |")
+            out.append(f"| {r['family']} | error: {r['error']} | | | | | {dm[0]} | {dm[1]} |")
             continue
-        print(f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']} / {r['state']}) | {', '.join(map(str, r['windows'])) or '-'} "
-              f"| {'yes' if r['exact'] else 'NO'} | {'same' if r['sparse_answer_equal'] else 'differs'} "
-              f"| {r['read_vs_all_rows']:.2f} | {r['read_vs_cache_file']:.2f} |")
+        out.append(
+            f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']} / {r['state']}) "
+            f"| {'yes' if r['exact'] else 'NO'} | {'same' if r['sparse_answer_equal'] else 'differs'} "
+            f"| {r['read_vs_all_rows']:.2f} | {r['read_vs_cache_file']:.2f} | {dm[0]} | {dm[1]} |"
+        )
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
