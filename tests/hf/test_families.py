@@ -128,3 +128,51 @@ def test_non_text_inputs_are_refused(tmp_path):
                            **{CACHE_KWARG: cache})
         store.flush()
         assert store.stats()["prompts_written"] == 0
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "cohere2", "llama"])
+def test_decode_full_reads_only_what_the_sparse_layers_lack(tmp_path, family):
+    """With ``decode="full"`` the rest of the prefix is read for the sparse (full-attention)
+    layers only: the other layers hold their rows already (a window layer the ones it
+    still sees), so reading theirs again would only cost bytes."""
+    types = ["sliding_attention", "full_attention"] * 2 if family == "gemma3_text" else None
+    model = family_model(family, **({"layer_types": types} if types else {}))
+    doc = tokens(1, 200)
+    with ImpressStore(tmp_path, model, EXACT) as store:
+        run(model, doc.unsqueeze(0), cache=ImpressCache(store))
+    prompt = torch.cat([doc, tokens(7, 12)]).unsqueeze(0)
+    ref, ref_logits = run(model, prompt, new_tokens=4)
+    cfg = ImpressConfig(important_ratio=0.25, chunk_tokens=16)  # decode="full", refresh, guard
+    with ImpressStore(tmp_path, model, cfg) as store:
+        cache = ImpressCache(store)
+        seq, logits = run(model, prompt, cache=cache, new_tokens=4)
+        spec = store.spec
+        row_bytes = spec.kv_bytes_per_token // spec.num_layers
+        full = sum(info.kind == "full" for info in spec.model_layers)
+    assert torch.equal(seq, ref) and (logits - ref_logits).abs().max() < 1e-4
+    s = cache.stats
+    rest = s.bytes_read_decode + s.bytes_read_guard
+    assert rest > 0
+    # the sparse layers' rows not read for the prefill, nothing of the other layers
+    assert rest <= row_bytes * full * (200 - s.loaded_tokens)
+
+
+def test_probes_are_read_only_for_the_layers_that_choose(tmp_path):
+    """A layer that holds its rows without choosing them (a window layer) never scores
+    probes: the probe loader reads the choosing layers' probe copies and nothing else."""
+    from impress_cache.hf.loaders import ProbeLoader
+    from impress_cache.stats import RequestStats
+
+    model = family_model("llama")
+    doc = tokens(1, 200)
+    with ImpressStore(tmp_path, model, EXACT) as store:
+        run(model, doc.unsqueeze(0), cache=ImpressCache(store))
+    with ImpressStore(tmp_path, model, ImpressConfig(important_ratio=0.25, chunk_tokens=16, host_bytes=0, device_bytes=0)) as store:
+        layouts = [store.layout(store.match(doc.tolist()).segments)]
+        read = {}
+        for name, layers in (("all", None), ("two", {1, 3})):
+            loader = ProbeLoader(store, layouts, RequestStats(), layers=layers)
+            got = [loader.layer(i)[0] for i in range(4)]
+            read[name] = loader.read.disk_bytes
+            assert all(g is not None for g in got) if layers is None else [g is not None for g in got] == [False, True, False, True]
+    assert read["two"] * 2 == read["all"] > 0

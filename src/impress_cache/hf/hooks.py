@@ -210,6 +210,20 @@ def _rotate(attn: torch.nn.Module, q: torch.Tensor, rope: Any) -> torch.Tensor:
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
 
 
+def _heads_first(out: torch.Tensor, positions: int | None) -> bool:
+    """Whether a 4-D output of a query norm is ``[batch, heads, n, head_dim]`` already
+    (Gemma 3, EXAONE 4 norm the queries after the transpose) rather than ``[batch, n,
+    heads, head_dim]`` (Qwen 3, Gemma 4, Cohere norm them before it). The shape tells
+    unless ``n`` equals the head count; then the strides do: the norm keeps the layout of
+    ``q_proj``'s output (positions outer, heads inner), so the positions' dimension is
+    the one with the larger stride."""
+    if out.dim() != 4 or positions is None:
+        return False
+    if out.shape[1] != out.shape[2]:
+        return out.shape[2] == positions
+    return out.stride(2) > out.stride(1)
+
+
 _warned: set[str] = set()
 
 
@@ -232,7 +246,9 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
             cache = cache_argument(kwargs)
             head_dim = getattr(module, "head_dim", None)
             if isinstance(cache, cache_type) and cache.wants_queries and isinstance(head_dim, int):
-                _capture.target = (cache, module, head_dim, kwargs.get("position_embeddings"))
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                positions = hidden.shape[-2] if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 else None
+                _capture.target = (cache, module, head_dim, kwargs.get("position_embeddings"), positions)
             else:
                 _capture.target = None
 
@@ -240,10 +256,13 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
             target = getattr(_capture, "target", None)
             if target is None:
                 return
-            cache, attn, head_dim, rope = target
+            cache, attn, head_dim, rope, positions = target
             _capture.target = None
             try:
-                q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
+                if _heads_first(output, positions):
+                    q = output
+                else:
+                    q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
                 if rope is not None:
                     q = _rotate(attn, q, rope)
             except (RuntimeError, TypeError, ValueError) as exc:  # a family that rotates queries its own way

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -110,7 +110,8 @@ class DenseLoader:
 
     ``held[layer]`` is how many of the last prefix rows the layer holds (every row, or
     what a window still sees); ``None`` skips the layer (a sparse prefill chooses its
-    rows). Default: every row of every layer.
+    rows). Default: every row of every layer. Beside a sparse prefill (some layer
+    skipped) its reads count as ``bytes_read_rows`` too: K/V read for the prefill.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class DenseLoader:
         self._pads = pads
         self._reused = reused
         self._held = held if held is not None else [reused] * store.spec.num_layers
+        self._beside_sparse = any(h is None for h in self._held)
         self._room = room
         self._stats = stats
         self._lock = threading.Lock()
@@ -170,6 +172,8 @@ class DenseLoader:
                 buf[1, i, :, start:held] = v
             with self._lock:
                 self._stats.bytes_read_disk += blocks.stats.disk_bytes
+                if self._beside_sparse:
+                    self._stats.bytes_read_rows += blocks.stats.disk_bytes
                 self._stats.blocks_read += blocks.stats.disk_blocks
         return buf
 
@@ -188,9 +192,17 @@ class ProbeLoader:
     """Decoded probe keys of every batch row, layer by layer in the background."""
 
     def __init__(
-        self, store: ImpressStore, layouts: list[PrefixLayout | None], stats: RequestStats, keep_raw: bool = False
+        self,
+        store: ImpressStore,
+        layouts: list[PrefixLayout | None],
+        stats: RequestStats,
+        keep_raw: bool = False,
+        layers: Iterable[int] | None = None,
     ) -> None:
         self._store = store
+        #: the layers whose probes are read (default: every layer); a layer that holds
+        #: its rows without choosing (a window layer) never scores them
+        self._layers = None if layers is None else frozenset(layers)
         self._layouts = layouts
         self._stats = stats
         #: what the probe reads cost (kept apart: the loader thread is the only writer)
@@ -201,6 +213,8 @@ class ProbeLoader:
         self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
 
     def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
+        if self._layers is not None and layer not in self._layers:
+            return layer, [None] * len(self._layouts)
         return _start_reads(self._store, self._layouts, PROBE, layer)
 
     def _decode(self, started: tuple[int, list[_RowRead | None]]) -> list[torch.Tensor | None]:

@@ -156,7 +156,11 @@ class PrefixRequest:
         room = self.ids.shape[1] - reused
         self.held, self.sparse_layers = held_rows(store.spec, reused, k)
         if self.sparse_layers:
-            probes = None if store.config.selection in BASELINES else ProbeLoader(store, layouts, self.stats, keep_raw=reselects(store.config))
+            probes = (
+                None
+                if store.config.selection in BASELINES
+                else ProbeLoader(store, layouts, self.stats, keep_raw=reselects(store.config), layers=self.sparse_layers)
+            )
             self.sparse = SparsePrefill(store, k, layouts, probes, self.stats, room, self)
         if len(self.sparse_layers) < len(self.held):
             dense: list[int | None] = [None if s in self.sparse_layers else h for s, h in enumerate(self.held)]

@@ -310,9 +310,10 @@ class SparsePrefill:
             self.store.record_importance(lay.segments, imp, blocks, rows)
 
     def load_full(self, rows: list[int], reused: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """Every prefix row of the planned batch rows ``rows`` (the blocks read during the
-        prefill are reused): ``[layers, len(rows), kv_heads, reused, head_dim]`` keys and
-        values, bytes and blocks read from disk."""
+        """Every prefix row of the sparse layers, for the planned batch rows ``rows`` (the
+        blocks read during the prefill are reused): ``[layers, len(rows), kv_heads, reused,
+        head_dim]`` keys and values (zeros in the other layers: they hold their rows
+        already, a window layer only the ones it still sees), bytes and blocks read from disk."""
         spec = self.store.spec
         shape = (spec.num_layers, len(rows), spec.num_kv_heads, reused, spec.head_dim)
         keys = torch.zeros(shape, dtype=spec.torch_kv_dtype)
@@ -324,7 +325,8 @@ class SparsePrefill:
                 continue
             pad = reused - lay.length
             loaded = self.store.load(
-                lay.segments, out=(keys[:, i, :, pad:], values[:, i, :, pad:]), known=self.memo, decode=True
+                lay.segments, out=(keys[:, i, :, pad:], values[:, i, :, pad:]), known=self.memo, decode=True,
+                layers=sorted(self._batch.sparse_layers),
             )
             nbytes += loaded.bytes_read
             blocks += loaded.blocks_read

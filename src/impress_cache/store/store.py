@@ -334,6 +334,7 @@ class ImpressStore:
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
         known: Mapping[int, torch.Tensor] | None = None,
         decode: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> LoadedPrefix:
         """Read every K/V row of ``segments`` (a match, possibly cut shorter).
 
@@ -341,7 +342,9 @@ class ImpressStore:
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
         Blocks in ``known`` (`block_code` -> block, already read by this request) are not
         read again;
-        ``decode`` marks the reads as decode-only (see `read_blocks`). Raises
+        ``decode`` marks the reads as decode-only (see `read_blocks`). ``layers``: only
+        these stored layers are read (the others' parts of ``out`` are left as they are;
+        default: every layer). Raises
         `CorruptBlockError` when a block is missing or damaged; the caller quarantines
         the file (`quarantine`) and matches again.
         """
@@ -354,12 +357,13 @@ class ImpressStore:
         if tuple(keys.shape) != shape or tuple(values.shape) != shape:
             raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
         nbytes = nblocks = 0
+        wanted = list(range(spec.num_layers)) if layers is None else sorted(set(layers))
         # one read for every layer when the layers share their units (prompt order)
-        groups = [list(range(spec.num_layers))] if lay.in_order else [[layer] for layer in range(spec.num_layers)]
-        for layers in groups:
-            units = lay.at(layers[0]).units_all()
-            blocks = self.start_layout(lay, KV, layers, units, decode=decode, known=known).result()
-            for i, layer in enumerate(layers):
+        groups = ([wanted] if wanted else []) if lay.in_order else [[layer] for layer in wanted]
+        for group in groups:
+            units = lay.at(group[0]).units_all()
+            blocks = self.start_layout(lay, KV, group, units, decode=decode, known=known).result()
+            for i, layer in enumerate(group):
                 k, v = lay.at(layer).gather(units, blocks, offset=i * len(units))
                 keys[layer].copy_(k)
                 values[layer].copy_(v)
