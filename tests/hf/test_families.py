@@ -91,22 +91,22 @@ def test_hybrid_models_reuse_from_state_checkpoints(tmp_path, family):
     doc = tokens(1, 60)
     with ImpressStore(tmp_path, model, EXACT) as store:
         assert store.spec.state_layers
-        first = assert_same_as_uncached(model, store, doc.unsqueeze(0))
+        first = assert_same_as_uncached(model, store, doc.unsqueeze(0), new_tokens=3)
         assert first.stats.matched_tokens == 0
         assert store.stats()["state_checkpoints"] == 1 and store.stats()["state_bytes"] > 0
-        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(2, 10)]).unsqueeze(0))
+        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(2, 10)]).unsqueeze(0), new_tokens=3)
         assert c.stats.matched_tokens == 60 and c.stats.computed_tokens == 10
-        c = assert_same_as_uncached(model, store, torch.cat([doc[:40], tokens(3, 10)]).unsqueeze(0))
+        c = assert_same_as_uncached(model, store, torch.cat([doc[:40], tokens(3, 10)]).unsqueeze(0), new_tokens=3)
         assert c.stats.matched_tokens == 0
-        assert_same_as_uncached(model, store, *left_pad([doc, tokens(4, 30)]))  # a batch: no reuse, exact
+        assert_same_as_uncached(model, store, *left_pad([doc, tokens(4, 30)]), new_tokens=3)  # a batch: no reuse, exact
     with ImpressStore(tmp_path, model, EXACT) as store:  # restart; damage is not served
-        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(5, 8)]).unsqueeze(0))
+        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(5, 8)]).unsqueeze(0), new_tokens=3)
         assert c.stats.matched_tokens == 60
         ckpt = tmp_path / "states" / StateCheckpoints.name(doc.tolist())
         raw = bytearray(ckpt.read_bytes())
         raw[-1] ^= 0xFF
         ckpt.write_bytes(bytes(raw))
-        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(6, 8)]).unsqueeze(0))
+        c = assert_same_as_uncached(model, store, torch.cat([doc, tokens(6, 8)]).unsqueeze(0), new_tokens=3)
         assert c.stats.matched_tokens == 0
 
 
