@@ -15,28 +15,34 @@ _BASE = dict(
 )
 _WINDOW = dict(sliding_window=8)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+#: small per-layer input embeddings; the global layers keep their wider head dim (512)
+_GEMMA4 = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
 
 #: family (transformers model_type) -> config overrides
 FAMILIES: dict[str, dict] = {
     "llama": {}, "mistral": dict(sliding_window=None), "qwen2": {}, "qwen3": {}, "gemma": {},
-    "gemma2": _WINDOW, "gemma3_text": _WINDOW, "gemma4_text": _WINDOW,
+    "gemma2": _WINDOW, "gemma3_text": _WINDOW, "gemma4_text": dict(_WINDOW, **_GEMMA4),
     "gemma4_text-shared": dict(
-        _WINDOW, num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3
+        _WINDOW, **_GEMMA4, num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3
     ),
     "gpt_oss": dict(_MOE, **_WINDOW), "phi3": {}, "olmo2": {}, "olmo3": _WINDOW, "smollm3": {}, "granite": {},
-    "cohere2": _WINDOW, "glm4": {}, "exaone4": _WINDOW, "qwen3_moe": {}, "llama4_text": dict(attention_chunk_size=8),
+    "cohere2": _WINDOW, "glm4": {}, "exaone4": _WINDOW, "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "llama4_text": dict(attention_chunk_size=8),
     "deepseek_v3": dict(
         num_key_value_heads=4, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=8,
         kv_lora_rank=32, first_k_dense_replace=1, n_routed_experts=8, n_group=1, topk_group=1,
         num_experts_per_tok=2, moe_intermediate_size=32,
     ),
-    "seed_oss": {}, "hunyuan_v1_dense": {}, "ministral": _WINDOW, "mixtral": {}, "qwen2_moe": {},
+    "seed_oss": {}, "hunyuan_v1_dense": {}, "ministral": _WINDOW, "mixtral": {}, "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "starcoder2": {}, "olmo": {}, "cohere": {}, "stablelm": {}, "helium": {}, "glm": {}, "nemotron": {},
 }
 
+_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 #: hybrid families: recurrent-state layers (linear attention, convolution, Mamba) beside attention
 STATE_FAMILIES = {
-    "qwen3_next": {}, "qwen3_5_text": {}, "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "qwen3_next": dict(
+        _LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "qwen3_5_text": _LINEAR, "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
     "granitemoehybrid": dict(
         layer_types=["mamba", "attention", "mamba", "attention"], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
         mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
