@@ -86,7 +86,7 @@ def one(name: str, prefix: int) -> dict:
         "sparse_answer_equal": bool(torch.equal(sseq, ref)), "sparse_loaded_tokens": s.stats.loaded_tokens,
         "bytes_read": read, "all_rows_bytes": own, "cache_file_bytes": file_bytes,
         "read_vs_all_rows": read / own, "read_vs_cache_file": read / file_bytes, "seconds": time.perf_counter() - t0,
-        "state": kinds.count("state"), "state_bytes": state_bytes, "state_vs_kv": state_bytes / own if own else None,
+        "state": kinds.count("state"), "hybrid": kinds.count("hybrid"), "state_bytes": state_bytes, "state_vs_kv": state_bytes / own if own else None,
     }
 
 
@@ -178,7 +178,7 @@ def table(rows: list[dict], mixes: list[dict]) -> str:
     """The docs' table: the tiny model's run beside the default configuration's mix."""
     mix = {m["family"]: m for m in mixes}
     out = [
-        "| family | tiny model: layers (full / window / shared / state) | exact | sparse answer | read / every layer's rows "
+        "| family | tiny model: layers (full / window / shared / state / hybrid) | exact | sparse answer | read / every layer's rows "
         "| read / DynamicCache file | default config: layers (full / window / state) | read / every layer's rows |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -192,7 +192,7 @@ def table(rows: list[dict], mixes: list[dict]) -> str:
             out.append(f"| {r['family']} | error: {r['error']} | | | | | {dm[0]} | {dm[1]} |")
             continue
         out.append(
-            f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']} / {r['state']}) "
+            f"| {r['family']} | {r['layers']} ({r['full']} / {r['window']} / {r['shared']} / {r['state']} / {r.get('hybrid', 0)}) "
             f"| {'yes' if r['exact'] else 'NO'} | {'same' if r['sparse_answer_equal'] else 'differs'} "
             f"| {r['read_vs_all_rows']:.2f} | {r['read_vs_cache_file']:.2f} | {dm[0]} | {dm[1]} |"
         )

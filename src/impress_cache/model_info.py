@@ -7,8 +7,8 @@ and the shapes of their keys and values; `LayerInfo` records, per model layer, i
 (`LAYER_KINDS`), its window and its K/V shapes. Full and window layers store K/V; a layer
 that reuses another layer's K/V, or has no attention, stores nothing. A layer that keeps a
 recurrent state (linear attention, SSM, convolution) stores no rows: its state is kept in
-checkpoints (`store.states`). A layer with both a state and K/V in one is refused, naming
-the layer.
+checkpoints (`store.states`); a layer with a state and full-attention K/V in one
+(Falcon-H1) has both. Any other cache layer is refused, naming the layer.
 
 The store keeps every stored layer at one padded width (the largest KV-head count and
 head dim over the stored layers; keys and values of different widths are padded to the
@@ -32,11 +32,9 @@ from .errors import ModelMismatchError, UnsupportedModelError
 #: ``window``: sliding-window or chunked attention (stored; only the rows still visible
 #: at the match point are read);
 #: ``shared``: uses another layer's K/V, or has no attention (nothing stored);
-#: ``state``: keeps a recurrent state valid at one position (checkpoints, no rows)
-LAYER_KINDS = ("full", "window", "shared", "state")
-
-#: transformers' cache layer classes that keep a recurrent state beside K/V (refused)
-_HYBRID_LAYERS = ("LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
+#: ``state``: keeps a recurrent state valid at one position (checkpoints, no rows);
+#: ``hybrid``: a recurrent state and full-attention K/V in one layer (both)
+LAYER_KINDS = ("full", "window", "shared", "state", "hybrid")
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -60,7 +58,7 @@ class LayerInfo:
 
     @property
     def stored(self) -> bool:
-        return self.kind in ("full", "window")
+        return self.kind in ("full", "window", "hybrid")
 
     def as_list(self) -> list[Any]:
         return [self.kind, self.layer_type, self.window, self.k_heads, self.k_dim, self.v_heads, self.v_dim, self.states]
@@ -112,7 +110,7 @@ class ModelSpec:
     @functools.cached_property
     def state_layers(self) -> tuple[int, ...]:
         """Model layer index of every layer that keeps a recurrent state."""
-        return tuple(i for i, info in enumerate(self.model_layers) if info.kind == "state")
+        return tuple(i for i, info in enumerate(self.model_layers) if info.kind in ("state", "hybrid"))
 
     @functools.cached_property
     def stored_layers(self) -> tuple[int, ...]:
@@ -193,10 +191,10 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
         cls = type(layer).__name__
         layer_type = str(types[i]) if i < len(types) else "full_attention"
         where = f"layer {i} of {name} ({layer_type}, transformers cache layer {cls})"
-        if cls in _HYBRID_LAYERS:
+        if cls == "LinearAttentionAndSlidingWindowAttentionLayer":
             raise UnsupportedModelError(
-                f"{where} keeps a recurrent state and K/V in one layer; impress_cache serves state layers and "
-                "attention layers, not both in one layer yet"
+                f"{where} keeps a recurrent state and sliding-window K/V in one layer; impress_cache serves a state "
+                "with full-attention K/V in one layer, not with a window yet"
             )
         if cls == "LinearAttentionLayer":
             infos.append(LayerInfo("state", layer_type, states=int(getattr(layer, "number_of_states", 1))))
@@ -205,13 +203,15 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
             infos.append(LayerInfo("shared", layer_type))
             continue
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if cls not in ("DynamicLayer", "DynamicSlidingWindowLayer") or not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        hybrid = cls == "LinearAttentionAndFullAttentionLayer"
+        if cls not in ("DynamicLayer", "DynamicSlidingWindowLayer") and not hybrid or not isinstance(keys, torch.Tensor) or keys.dim() != 4:
             raise UnsupportedModelError(f"{where} is not a kind of layer impress_cache serves (full, sliding, chunked or shared attention)")
         assert isinstance(values, torch.Tensor)
         window = int(getattr(layer, "sliding_window", 0) or 0) if getattr(layer, "is_sliding", False) else 0
         infos.append(LayerInfo(
-            "window" if window else "full", layer_type, window,
+            "hybrid" if hybrid else "window" if window else "full", layer_type, window,
             int(keys.shape[1]), int(keys.shape[3]), int(values.shape[1]), int(values.shape[3]),
+            int(getattr(layer, "number_of_states", 1)) if hybrid else 0,
         ))
     if not any(info.stored for info in infos):
         raise UnsupportedModelError(f"{name} has no layer with K/V to store")

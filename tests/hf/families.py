@@ -15,6 +15,11 @@ _BASE = dict(
 )
 _WINDOW = dict(sliding_window=8)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+#: multi-head latent attention as transformers caches it: keys wider than values
+_MLA = dict(
+    num_key_value_heads=4, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=8, kv_lora_rank=32,
+    first_k_dense_replace=1, n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=32,
+)
 #: small per-layer input embeddings; the global layers keep their wider head dim (512)
 _GEMMA4 = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
 
@@ -27,11 +32,7 @@ FAMILIES: dict[str, dict] = {
     ),
     "gpt_oss": dict(_MOE, **_WINDOW), "phi3": {}, "olmo2": {}, "olmo3": _WINDOW, "smollm3": {}, "granite": {},
     "cohere2": _WINDOW, "glm4": {}, "exaone4": _WINDOW, "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "llama4_text": dict(attention_chunk_size=8),
-    "deepseek_v3": dict(
-        num_key_value_heads=4, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=8,
-        kv_lora_rank=32, first_k_dense_replace=1, n_routed_experts=8, n_group=1, topk_group=1,
-        num_experts_per_tok=2, moe_intermediate_size=32,
-    ),
+    "deepseek_v3": _MLA,
     "seed_oss": {}, "hunyuan_v1_dense": {}, "ministral": _WINDOW, "mixtral": {}, "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "starcoder2": {}, "olmo": {}, "cohere": {}, "stablelm": {}, "helium": {}, "glm": {}, "nemotron": {},
 }
@@ -43,13 +44,15 @@ STATE_FAMILIES = {
         _LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
     ),
     "qwen3_5_text": _LINEAR, "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
     "granitemoehybrid": dict(
         layer_types=["mamba", "attention", "mamba", "attention"], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
         mamba_chunk_size=16, num_local_experts=4, num_experts_per_tok=2,
     ),
 }
-#: a layer holding a state and K/V in one: refused, naming the layer
-REFUSED_FAMILIES = {"falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)}
+#: layers the cache cannot serve exactly (an indexer choosing the rows each query sees):
+#: refused, naming the layer
+REFUSED_FAMILIES = {"glm_moe_dsa": dict(_MLA, q_lora_rank=32, index_n_heads=2, index_head_dim=16)}
 
 
 def family_model(name: str, attn: str | None = None, **overrides) -> torch.nn.Module:

@@ -14,10 +14,12 @@ from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
 from ...model_info import LayerInfo, ModelSpec
 from .full import ImpressLayer
+from .hybrid import ImpressHybridLayer
 from .window import ImpressWindowLayer
 
 LAYER_CLASSES: dict[str, type] = {
     "full": ImpressLayer, "window": ImpressWindowLayer, "shared": DummyLayer, "state": LinearAttentionLayer,
+    "hybrid": ImpressHybridLayer,
 }
 
 
@@ -31,6 +33,8 @@ def make_layers(spec: ModelSpec) -> list[Any]:
             out.append(cls())
         elif info.kind == "state":
             out.append(cls(number_of_states=info.states))
+        elif info.kind == "hybrid":
+            out.append(cls(number_of_states=info.states, info=info, padded=spec.padded(stored[m])))
         else:
             out.append(cls(info=info, padded=spec.padded(stored[m])))
     return out
@@ -81,4 +85,4 @@ def to_stored(spec: ModelSpec, info: LayerInfo, keys: torch.Tensor, values: torc
     return out[0], out[1]
 
 
-__all__ = ["LAYER_CLASSES", "ImpressLayer", "ImpressWindowLayer", "make_layers", "restore_states", "state_tensors", "to_stored"]
+__all__ = ["LAYER_CLASSES", "ImpressHybridLayer", "ImpressLayer", "ImpressWindowLayer", "make_layers", "restore_states", "state_tensors", "to_stored"]
