@@ -26,7 +26,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ from .reorder.room import Reordering
 from .values import NodeValues
 from .report import build_stats
 from .warmup import warmup
+from .loading import LoadedPrefix, load_layout
 from .states import StateCheckpoints
 from .writer import PromptWriter
 
@@ -71,14 +71,6 @@ _DONE.set_result(None)
 _MAX_INDEX_REPAIRS = 8
 
 
-@dataclass
-class LoadedPrefix:
-    """K/V rows of one matched prefix: ``keys[layer]`` is ``[kv_heads, tokens, head_dim]``."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    bytes_read: int
-    blocks_read: int
 
 
 class ImpressStore:
@@ -348,28 +340,7 @@ class ImpressStore:
         `CorruptBlockError` when a block is missing or damaged; the caller quarantines
         the file (`quarantine`) and matches again.
         """
-        spec = self.spec
-        lay = self.layout(segments)
-        shape = (spec.num_layers, spec.num_kv_heads, lay.length, spec.head_dim)
-        if out is None:
-            out = (torch.empty(shape, dtype=spec.torch_kv_dtype), torch.empty(shape, dtype=spec.torch_kv_dtype))
-        keys, values = out
-        if tuple(keys.shape) != shape or tuple(values.shape) != shape:
-            raise ValueError(f"out tensors must have shape {shape}, got {tuple(keys.shape)}")
-        nbytes = nblocks = 0
-        wanted = list(range(spec.num_layers)) if layers is None else sorted(set(layers))
-        # one read for every layer when the layers share their units (prompt order)
-        groups = ([wanted] if wanted else []) if lay.in_order else [[layer] for layer in wanted]
-        for group in groups:
-            units = lay.at(group[0]).units_all()
-            blocks = self.start_layout(lay, KV, group, units, decode=decode, known=known).result()
-            for i, layer in enumerate(group):
-                k, v = lay.at(layer).gather(units, blocks, offset=i * len(units))
-                keys[layer].copy_(k)
-                values[layer].copy_(v)
-            nbytes += blocks.stats.disk_bytes
-            nblocks += blocks.stats.disk_blocks
-        return LoadedPrefix(keys, values, nbytes, nblocks)
+        return load_layout(self.spec, self.layout(segments), self.start_layout, out, known, decode, layers)
 
     def start_layout(
         self,
