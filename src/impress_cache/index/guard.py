@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ImpressError, ReadOnlyStoreError, StoreFormatError, StoreIOError
+from ..errors import ImpressError, IndexRefusedError, ReadOnlyStoreError, StoreFormatError, StoreIOError
 from ..storage.base import kind_of
+from .schema import REFUSAL
 
 #: what a value read back from a damaged index raises while it is decoded (blobs of the
 #: wrong size, text that is not JSON, numbers where there should be bytes)
@@ -31,6 +32,11 @@ _IO_CODES = {
 def index_error(path: Path, exc: BaseException) -> ImpressError:
     """The `ImpressError` for an error met while using the index at ``path``."""
     code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if isinstance(exc, sqlite3.IntegrityError) and REFUSAL in str(exc):
+        return IndexRefusedError(
+            f"the index {path} refused a change planned from a state that changed meanwhile ({exc}); "
+            "nothing was committed and the index is intact"
+        )
     if isinstance(exc, sqlite3.Error) and code in _IO_CODES:
         what = f"cannot use the index {path}: {exc}"
         if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):

@@ -33,7 +33,7 @@ from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, rele
 from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
-from .schema import SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
+from .schema import INVARIANTS, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
 
 
 #: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
@@ -83,7 +83,7 @@ class Index(StatisticsTables):
                     self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                     with self.transaction() as conn:
                         version = self._check_version(conn)
-                        for statement in [*SCHEMA.split(";"), *TRIGGERS]:  # (stores made before the triggers get them)
+                        for statement in [*SCHEMA.split(";"), *TRIGGERS, *INVARIANTS]:  # (stores made before the triggers get them)
                             if statement.strip():
                                 conn.execute(statement)
                         if version is None:

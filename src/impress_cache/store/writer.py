@@ -184,8 +184,7 @@ class PromptWriter:
         catalog = self._catalog
         m = catalog.match(tokens).length
         if m == len(tokens):
-            catalog.commit_prompt(tokens, m, None)
-            return
+            return  # stored already: nothing to write, no transaction
         with catalog.gate.creating():  # (the leftover scan waits)
             new_file, final = self._write_file(tokens, m, keys, values)
             # raises only when nothing was committed: a failure after the commit is handled
