@@ -46,7 +46,7 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
-from .chunkfiles import check_match
+from .chunkfiles import check_match, check_tables
 from .directory import prepare
 from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
@@ -269,11 +269,8 @@ class ImpressStore:
 
     # -- lookups ---------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
-        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens).
-
-        The matched nodes are safe from disk eviction for `MATCH_GRACE_S` seconds of the
-        store's clock; take a `lease` to keep them for longer.
-        """
+        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens). Its nodes are safe
+        from disk eviction for `MATCH_GRACE_S` seconds of the store's clock (a `lease` keeps them longer)."""
         self._check_open()
         self.activity.touch()
         arr = as_tokens(tokens)
@@ -284,7 +281,9 @@ class ImpressStore:
                 bad = check_match(self._catalog.records, arr, m)
                 if bad is None:
                     self._leases.note(m)
-                    return m
+            bad = bad or check_tables(self._catalog.open_file, m)  # (a file's record read as its header says)
+            if bad is None:
+                return m
             self.quarantine(*bad)
         raise StoreFormatError(f"the index of {self.path} keeps contradicting its chunk files; run `impress-cache verify --repair`")
 
