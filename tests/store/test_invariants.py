@@ -323,3 +323,80 @@ def test_three_processes_with_a_disk_budget_keep_the_index_whole_and_keep_reusin
             put(store, toks)
             assert assert_reads_exact(store, toks) == len(toks)
         assert store.stats()["write_failures"] == 0
+
+
+def test_a_lease_collected_inside_the_lease_tables_lock_does_not_deadlock():
+    """A lease dropped without `release` is handed back by garbage collection, which can
+    run while the same thread holds the lease table's (non-reentrant) lock. Its finalizer
+    only queues the release; the next call into the table applies it. Before, the
+    finalizer took that lock: the thread waited for itself for ever."""
+    import gc
+    import threading
+
+    from impress_cache.store.leases import FREE, LEASED, LeaseTable
+
+    unlinked: list[str] = []
+    table = LeaseTable(clock=lambda: 0.0, unlink=unlinked.append, grace_s=0.0)
+    lease = table.hold([7])
+    lease.cycle = lease  # only the cyclic collector frees it
+    del lease
+    assert table.protection(7, 0.0) == LEASED
+    table.defer_unlink(7, "doomed")
+    done = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            with table._lock:
+                gc.collect()
+        finally:
+            if was:
+                gc.enable()
+        done.set()
+
+    t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    t.start()
+    assert done.wait(20), "the finalizer waited for the lock its own thread holds"
+    assert table.protection(7, 0.0) == FREE  # the queued release applied
+    table.unlinker.drain()
+    assert unlinked == ["doomed"]
+    table.unlinker.close()
+
+
+class _CommitLevels:
+    """The store's real SQLite connection; records SQLite's ``synchronous`` setting and
+    the chunk files present at every ``COMMIT``."""
+
+    def __init__(self, conn: Any, chunks: Path) -> None:
+        self._conn, self._chunks = conn, chunks
+        self.commits: list[tuple[int, set[str]]] = []
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            level = self._conn.execute("PRAGMA synchronous").fetchone()[0]  # (1: NORMAL, 2: FULL)
+            self.commits.append((level, {p.name for p in self._chunks.iterdir()}))
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_the_budgets_removals_are_durable_before_their_files_go(tmp_path):
+    """Files the disk budget removes are unlinked only after a durable commit of their
+    removal (synchronous=FULL), so a power cut cannot leave nodes whose files are gone."""
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for toks in prompts(16, 6):
+            put(store, toks)
+        store.flush()
+        before = {p.name for p in (tmp_path / "chunks").iterdir()}
+        levels = _CommitLevels(store.index._conn, tmp_path / "chunks")
+        store.index._conn = levels
+        store.config.disk_bytes = store.disk_bytes() - 2 * store._catalog.chunk_bytes // 6
+        removed = store.enforce_disk_budget()
+        store.flush()
+        store.index._conn = levels._conn
+        assert removed["removed_files"] > 0 and levels.commits
+        assert all(level == 2 for level, _ in levels.commits)
+        assert all(present == before for _, present in levels.commits)  # nothing unlinked before a commit
+        assert len({p.name for p in (tmp_path / "chunks").iterdir()}) == len(before) - removed["removed_files"]
