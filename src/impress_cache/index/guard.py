@@ -7,7 +7,9 @@ bug and is raised as it is, never disguised as a damaged store."""
 
 from __future__ import annotations
 
+import errno
 import functools
+import resource
 import shutil
 import sqlite3
 from pathlib import Path
@@ -40,11 +42,9 @@ def index_error(path: Path, exc: BaseException) -> ImpressError:
     if isinstance(exc, sqlite3.Error) and code in _IO_CODES:
         what = f"cannot use the index {path}: {exc}"
         if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
-            try:
-                free = shutil.disk_usage(path.parent).free
-                what += f" ({free} bytes free on its file system{'; the disk is full' if free < 1 << 20 else ''})"
-            except OSError:
-                pass
+            what += room_left(path.parent)
+        if code == sqlite3.SQLITE_FULL:
+            what += WAY_OUT
         if code == sqlite3.SQLITE_READONLY:
             return ReadOnlyStoreError(
                 what + ". A store on a read-only path can only serve: open it with "
@@ -55,6 +55,34 @@ def index_error(path: Path, exc: BaseException) -> ImpressError:
         f"the index {path} is damaged ({type(exc).__name__}: {exc}). Rebuild it from the chunk files with "
         f"`impress-cache verify --repair {path.parent}`."
     )
+
+
+#: what to do when the store cannot write (a full disk, a file-size limit)
+WAY_OUT = (
+    ". Free some space (or raise the limit) or lower the store's disk_bytes; to keep serving what is "
+    "stored without writing, open it with ImpressStore(path, model, config, read_only=True)"
+)
+#: ``errno`` values that say the store has no room to write
+NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def room_left(directory: Path) -> str:
+    """What limits writes in ``directory``: the process's file-size limit when one is set
+    (``RLIMIT_FSIZE``: a write past it fails with ``EFBIG`` however much space is free),
+    and the bytes free on its file system."""
+    parts = []
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            parts.append(f"this process may write files of at most {limit} bytes (RLIMIT_FSIZE, `ulimit -f`)")
+    except (OSError, ValueError):
+        pass
+    try:
+        free = shutil.disk_usage(directory).free
+        parts.append(f"{free} bytes free on its file system{'; the disk is full' if free < 1 << 20 else ''}")
+    except OSError:
+        pass
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def is_damage(exc: BaseException, decoding: bool = False) -> bool:

@@ -30,6 +30,7 @@ import torch
 from .. import probe as probe_codec
 from ..config import ImpressConfig
 from ..errors import ImpressError, StoreLimitError
+from ..index.guard import NO_ROOM, WAY_OUT, room_left
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
@@ -166,9 +167,11 @@ class PromptWriter:
             self.counters.write_failures += 1
             if not self._warned:
                 self._warned = True
+                no_room = isinstance(exc, OSError) and not isinstance(exc, ImpressError) and exc.errno in NO_ROOM
                 log.warning(
                     "storing a prompt of %d tokens failed, so it is not stored; the store is unchanged and "
-                    "keeps serving (later failures are logged at debug level): %s", len(tokens), exc,
+                    "keeps serving (later failures are logged at debug level): %s%s", len(tokens), exc,
+                    room_left(self._catalog.chunks) + WAY_OUT if no_room else "",
                 )
             else:
                 log.debug("storing a prompt of %d tokens failed: %s", len(tokens), exc)
