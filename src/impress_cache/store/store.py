@@ -256,8 +256,9 @@ class ImpressStore:
             raise failure
 
     def flush(self) -> None:
-        """Block until every prompt handed to `put_async` is on disk and indexed, then
-        save the statistics of the blocks read since the last save."""
+        """Wait until every prompt handed to `put_async` is written or dropped (a write the
+        disk or index refused is counted in ``stats()["write_failures"]`` and logged, not
+        raised), then save the statistics of the blocks read since the last save."""
         self._writer.flush()
         self._leases.unlinker.drain()
         self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
@@ -385,19 +386,17 @@ class ImpressStore:
 
     # -- writes ----------------------------------------------------------------------
     def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Future[None]:
-        """Store a prompt's K/V in the background.
-
-        ``keys[layer]`` and ``values[layer]`` are ``[kv_heads, len(tokens), head_dim]``
-        (any device and dtype; they are converted in the writer thread). Only the
-        tokens not already stored are written.
-        """
+        """Store a prompt's K/V in the background. ``keys[layer]`` and ``values[layer]``
+        are ``[kv_heads, len(tokens), head_dim]`` (any device and dtype; they are converted
+        in the writer thread). Only the tokens not already stored are written."""
         self._check_open()
         if self.read_only:
             return _DONE
         return self._writer.submit(tokens, keys, values)
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Store a prompt's K/V and wait until it is on disk and indexed."""
+        """`put_async` and wait for the write: on return the prompt is on disk and indexed,
+        unless it was stored already or the write was refused (see `flush`)."""
         self.put_async(tokens, keys, values).result()
 
     def _written(self, file_id: int, blocks: int, leaf: Any, push: bool = True) -> None:
