@@ -400,3 +400,47 @@ def test_the_budgets_removals_are_durable_before_their_files_go(tmp_path):
         assert all(level == 2 for level, _ in levels.commits)
         assert all(present == before for _, present in levels.commits)  # nothing unlinked before a commit
         assert len({p.name for p in (tmp_path / "chunks").iterdir()}) == len(before) - removed["removed_files"]
+
+
+def test_the_leftover_scan_keeps_a_leased_file_that_left_the_index_during_it(tmp_path):
+    """A file that leaves the index while a request leases it waits for the lease
+    (`defer_unlink`). The leftover scan must see it among those waiting: it reads them in
+    the same view as the index's files. Here the file leaves (a quarantine of the file
+    before it) while the scan is under way; before, the scan had read the waiting files
+    before it looked at the index, took the file for a crash leftover and deleted it
+    under the lease."""
+    import threading
+
+    from impress_cache.store.leftovers import remove_leftovers
+
+    p = prompts(17, 1)[0]
+    longer = p + [3, 4, 5, 6, 7]
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, p)
+        put(store, longer)
+        store.flush()
+        m = store.match(longer)
+        first, tail = m.segments[0].file_id, m.segments[-1].file_id
+        tail_name = store._catalog.records[tail].name
+        lease = store.lease([m])
+        asked = threading.Event()
+
+        def deferred() -> set[str]:
+            names = store._leases.deferred_names()
+            asked.set()
+            return names
+
+        catalog = store._catalog
+        out: list = []
+        with catalog.lock:  # the scan waits for this lock once it starts looking at the index
+            t = threading.Thread(target=lambda: out.append(remove_leftovers(catalog, 0o600, deferred)), daemon=True)
+            t.start()
+            asked.wait(2.0)  # (the old scan reads the waiting files first, before it takes the lock)
+            assert store.quarantine(first, "a test")  # the tail's file leaves the index; leased, it waits
+        t.join(60)
+        assert out == [True]
+        assert (tmp_path / "chunks" / tail_name).exists()  # still there for the lease
+        lease.release()
+        store.flush()
+        assert not (tmp_path / "chunks" / tail_name).exists()  # gone with the lease
+
