@@ -90,7 +90,8 @@ def is_damage(exc: BaseException, decoding: bool = False) -> bool:
     wrong call in our code; ``decoding``: raised while values read back were decoded."""
     if isinstance(exc, (ImpressError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
         return False
-    return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, MALFORMED))
+    # (an error SQLite reports about damaged schema text can itself fail to decode)
+    return isinstance(exc, (sqlite3.Error, UnicodeDecodeError)) or (decoding and isinstance(exc, MALFORMED))
 
 
 def float_rows(rows: list[tuple] | list[list]) -> np.ndarray:
