@@ -123,6 +123,7 @@ def test_running_out_of_descriptors_recomputes_and_removes_nothing(tmp_path):
         put(store, p)
     names = sorted(os.listdir(tmp_path / CHUNK_DIR))
     with ImpressStore(tmp_path, _model(), cfg()) as store:  # no chunk file is open yet
+        store.flush()  # (the crash-leftover scan has run: see the next test for one that meets the shortage)
         m = store.match(p)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         filler: list[int] = []
@@ -148,3 +149,40 @@ def test_running_out_of_descriptors_recomputes_and_removes_nothing(tmp_path):
         assert assert_reads_exact(store, p) == len(p)  # the file is still indexed and read
     assert sorted(os.listdir(tmp_path / CHUNK_DIR)) == names
     assert not (tmp_path / QUARANTINE_DIR).exists() or not os.listdir(tmp_path / QUARANTINE_DIR)
+
+
+def test_a_leftover_scan_that_runs_out_of_descriptors_waits_for_the_next_write(tmp_path):
+    """The crash-leftover scan runs on the writer thread; meeting a passing shortage of
+    descriptors (``EMFILE``) it is tried again before the next write, instead of failing
+    `flush` and `close` with a raw ``OSError`` (found by benchmarks/faults.py)."""
+    from impress_cache.store.leftovers import remove_leftovers
+
+    p = prompts(18, 1)[0]
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        store.flush()
+        (tmp_path / CHUNK_DIR / ("0" * 32 + ".safetensors.tmp")).write_bytes(b"left by a crash")
+        scan = lambda: remove_leftovers(store._catalog, 0o600, store._leases.deferred_names)  # noqa: E731
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        filler: list[int] = []
+        gc.collect()
+        gc.disable()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                try:
+                    filler.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError as exc:
+                    assert exc.errno == errno.EMFILE
+                    break
+            store._writer.start_scan(scan, now=True)  # on this thread: raised here if it raises
+        finally:
+            for fd in filler:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            gc.enable()
+        assert store._writer._scan is not None  # kept for later
+        store.flush()  # nothing raised
+        put(store, p)  # the scan runs first
+        assert store._writer._scan is None
+        assert not (tmp_path / CHUNK_DIR / ("0" * 32 + ".safetensors.tmp")).exists()
+        assert assert_reads_exact(store, p) == len(p)

@@ -31,6 +31,7 @@ from .. import probe as probe_codec
 from ..config import ImpressConfig
 from ..errors import ImpressError, StoreLimitError
 from ..index.guard import NO_ROOM, WAY_OUT, room_left
+from ..storage.reader import TRANSIENT
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
@@ -120,7 +121,14 @@ class PromptWriter:
 
     def _try_scan(self) -> None:
         scan, self._scan = self._scan, None
-        if scan is not None and not scan():
+        try:
+            done = scan is None or scan()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT or isinstance(exc, ImpressError):
+                raise
+            log.debug("removing crash leftovers waits (%s); tried again before the next write", exc)
+            done = False  # out of descriptors or memory for a moment: not a reason to fail
+        if not done:
             self._scan = scan
 
     def background(self, fn: Callable[[], Any]) -> None:
