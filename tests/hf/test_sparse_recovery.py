@@ -104,3 +104,21 @@ def test_the_guard_is_active_after_a_recovery(stored, tmp_path):
         assert cache.stats.recomputed_layers >= 1 and cache.stats.guard_triggered == 1
     assert torch.equal(seq, plain_seq)
     assert (logits[:, 0] - plain_logits[:, 0]).abs().max().item() <= 1e-4
+
+
+def test_a_prefix_recomputed_for_every_layer_is_not_counted_as_matched(stored, tmp_path):
+    """Every K/V block of layer 0 damaged under dense reuse: the prefix is recomputed for
+    every layer, so nothing was reused: ``matched_tokens`` is 0 and the prompt counts as
+    computed (before, the planned 128 tokens stayed "matched")."""
+    base, model, q, _, (plain_seq, plain_logits), offsets, _ = stored
+    shutil.copytree(base, tmp_path, dirs_exist_ok=True)
+    (f,) = (tmp_path / CHUNK_DIR).iterdir()
+    _flip(f, offsets[KV, 0])
+    with ImpressStore(tmp_path, model, ImpressConfig(**{**CFG, "important_ratio": 1.0})) as store:
+        cache = ImpressCache(store, q)
+        seq, logits = run(model, q, cache=cache, new_tokens=NEW)
+        s = cache.stats
+        assert s.quarantined_files == 1 and s.recomputed_layers == 2
+        assert s.matched_tokens == 0 and s.computed_tokens == q.shape[1]
+        assert s.rows[0].stored_match == 128 and s.rows[0].matched_tokens == 0
+    assert torch.equal(seq, plain_seq) and (logits - plain_logits).abs().max().item() <= 1e-4

@@ -214,6 +214,8 @@ class PrefixRequest:
         rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
         if self.prefill_started is not None:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
+        if self._recomputed is not None and self.stats.recomputed_layers >= self.store.spec.num_layers:
+            self._nothing_reused()  # every layer's prefix came from the recompute, none from the store
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full":
@@ -232,6 +234,15 @@ class PrefixRequest:
         self._settle_tiers()
         if store_prompt:
             self._store_prompt(layer_keys, layer_values)
+
+    def _nothing_reused(self) -> None:
+        """The statistics of a request whose prefix was recomputed for every layer: its
+        matched tokens were computed, not reused (the stored match stays in ``stored_match``)."""
+        for row in self.stats.rows:
+            row.computed_tokens += row.matched_tokens
+            row.matched_tokens = 0
+        self.stats.matched_tokens = 0
+        self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
 
     def _settle_tiers(self) -> None:
         """Apply the memory tiers' recorded accesses on the fetcher thread, after anything
