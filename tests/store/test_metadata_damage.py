@@ -19,6 +19,8 @@ import logging
 import os
 import resource
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -117,6 +119,30 @@ def test_another_model_is_still_a_mismatch_and_an_older_store_gets_its_checksum(
         ImpressStore(tmp_path, _model(), cfg())
 
 
+@contextmanager
+def no_descriptors_left() -> Iterator[None]:
+    """Every file descriptor of the process taken (a real ``RLIMIT_NOFILE`` lowered to
+    what is open plus a few, those few opened), given back at the end."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    gc.collect()  # (no descriptor of an earlier test's objects is freed meanwhile)
+    gc.disable()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        while True:
+            try:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+                break
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        gc.enable()
+
+
 def test_running_out_of_descriptors_recomputes_and_removes_nothing(tmp_path):
     p = prompts(15, 1)[0]
     with ImpressStore(tmp_path, _model(), cfg()) as store:
@@ -125,26 +151,10 @@ def test_running_out_of_descriptors_recomputes_and_removes_nothing(tmp_path):
     with ImpressStore(tmp_path, _model(), cfg()) as store:  # no chunk file is open yet
         store.flush()  # (the crash-leftover scan has run: see the next test for one that meets the shortage)
         m = store.match(p)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        filler: list[int] = []
-        gc.collect()  # (no descriptor of an earlier test's objects is freed meanwhile)
-        gc.disable()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        try:
-            while True:
-                try:
-                    filler.append(os.open(os.devnull, os.O_RDONLY))
-                except OSError as exc:
-                    assert exc.errno == errno.EMFILE
-                    break
+        with no_descriptors_left():
             with pytest.raises(StoreIOError) as err:
                 store.load(m.segments)
-            assert not isinstance(err.value, CorruptBlockError)
-        finally:
-            for fd in filler:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            gc.enable()
+        assert not isinstance(err.value, CorruptBlockError)
         assert store.stats()["quarantined_files"] == 0
         assert assert_reads_exact(store, p) == len(p)  # the file is still indexed and read
     assert sorted(os.listdir(tmp_path / CHUNK_DIR)) == names
@@ -162,24 +172,8 @@ def test_a_leftover_scan_that_runs_out_of_descriptors_waits_for_the_next_write(t
         store.flush()
         (tmp_path / CHUNK_DIR / ("0" * 32 + ".safetensors.tmp")).write_bytes(b"left by a crash")
         scan = lambda: remove_leftovers(store._catalog, 0o600, store._leases.deferred_names)  # noqa: E731
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        filler: list[int] = []
-        gc.collect()
-        gc.disable()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        try:
-            while True:
-                try:
-                    filler.append(os.open(os.devnull, os.O_RDONLY))
-                except OSError as exc:
-                    assert exc.errno == errno.EMFILE
-                    break
+        with no_descriptors_left():
             store._writer.start_scan(scan, now=True)  # on this thread: raised here if it raises
-        finally:
-            for fd in filler:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            gc.enable()
         assert store._writer._scan is not None  # kept for later
         store.flush()  # nothing raised
         put(store, p)  # the scan runs first
