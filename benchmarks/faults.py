@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -43,7 +44,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from impress_cache import CacheUsageError, ImpressCache, ImpressConfig, ImpressError, ImpressStore
 from impress_cache.cli import repair_store
-from impress_cache.errors import CorruptBlockError
+from impress_cache.errors import CorruptBlockError, ModelMismatchError, StoreFormatError, StoreIOError
+from impress_cache.index.schema import INVARIANT_NAMES
+from impress_cache.storage.base import KV, PROBE
 
 CFG = ImpressConfig(chunk_tokens=16, important_ratio=1.0, reorg_idle_ms=None)
 VOCAB = 256
@@ -290,6 +293,8 @@ def index_damage(path: Path, user: Path, rng: random.Random) -> bool:
     else:
         table, column = rng.choice(_INDEX_COLUMNS)
         conn = sqlite3.connect(path / "index.sqlite")
+        for name in INVARIANT_NAMES:  # damage on disk never goes through the invariant triggers
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
         rows = conn.execute(f"SELECT rowid, {column} FROM {table}").fetchall()
         rowid, value = rng.choice(rows)
         if column == "name" and rng.random() < 0.5:
@@ -504,6 +509,237 @@ def repair(path: Path, user: Path, rng: random.Random) -> bool:
     return _serve_exact(path, docs)
 
 
+# -- issue 25 ---------------------------------------------------------------------------------
+def _evict_all(path: str) -> None:
+    """Another process with a disk budget of one byte: it removes every prefix it may."""
+    torch.set_num_threads(1)
+    logging.disable(logging.CRITICAL)
+    with ImpressStore(path, tiny(0), ImpressConfig(chunk_tokens=16, important_ratio=1.0, reorg_idle_ms=None, disk_bytes=1)) as store:
+        store.enforce_disk_budget()
+
+
+class _BeforeBegin:
+    """The store's real SQLite connection; its next ``BEGIN IMMEDIATE`` first runs
+    ``before`` (another process evicting between the writer's plan and its transaction)."""
+
+    def __init__(self, conn: Any, before: Callable[[], None]) -> None:
+        self._conn, self._before, self.armed = conn, before, True
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "BEGIN IMMEDIATE" and self.armed:
+            self.armed = False
+            self._before()
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def _in_process(target: Callable[..., None], *args: Any, timeout: float = 50) -> None:
+    ctx = multiprocessing.get_context("spawn")  # (the parent holds its store's locks meanwhile)
+    proc = ctx.Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"{target.__name__} ended with {proc.exitcode}")
+
+
+def budget_race(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, item 1: a prompt evicted by another process between the writer's plan
+    and its transaction (the prompt asked again whole, or with a tail); a fresh open of
+    the store then serves exactly."""
+    doc = tokens(rng.randrange(10**6), 48)
+    asked = doc if rng.random() < 0.5 else torch.cat([doc, tokens(rng.randrange(10**6), 8)])
+    with ImpressStore(path, MODEL, CFG) as store:
+        generate(MODEL, doc, store)
+        store.flush()
+        hook = _BeforeBegin(store.index._conn, lambda: _in_process(_evict_all, str(path)))
+        store.index._conn = hook
+        generate(MODEL, asked, store)
+        store.flush()
+        if hook.armed:  # nothing was committed (a prompt stored already): it goes all the same
+            _in_process(_evict_all, str(path))
+        store.index._conn = hook._conn
+        if store.stats()["write_failures"]:
+            return False
+    return _serves_after(path, [doc, asked])
+
+
+def _serves_after(path: Path, docs: list[torch.Tensor]) -> bool:
+    """A fresh open serves exactly (a store that cannot be opened again is wrong here:
+    the damaged index of issue 25)."""
+    try:
+        return _serve_exact(path, docs)
+    except ImpressError:
+        return False
+
+
+def _budget_worker(path: str, seed: int, seconds: float, budget: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    logging.disable(logging.CRITICAL)
+    model = tiny(0)
+    pool = [torch.cat([tokens(7, 24), tokens(100 + i, 16 + 8 * (i % 3))]) for i in range(8)]
+    reused = 0
+    try:
+        with ImpressStore(path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0, reorg_idle_ms=None, disk_bytes=budget)) as store:
+            deadline, i = time.monotonic() + seconds, seed
+            while time.monotonic() < deadline:
+                toks = pool[i % len(pool)]
+                i += 1
+                cache = ImpressCache(store)
+                with torch.no_grad(), _quiet():
+                    model.generate(toks[None], max_new_tokens=1, do_sample=False, past_key_values=cache)
+                reused += cache.stats.matched_tokens
+            store.flush()
+            out.put((seed, reused, store.stats()["write_failures"], None))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.put((seed, reused, -1, f"{type(exc).__name__}: {exc}"))
+
+
+def budget_processes(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, item 1: three processes with a disk budget of about three prompts ask
+    for and store prompts of one pool; every process keeps reusing, no write fails and a
+    fresh process opens the store and serves exactly."""
+    pool = [torch.cat([tokens(7, 24), tokens(100 + i, 16 + 8 * (i % 3))]) for i in range(8)]
+    with ImpressStore(path, MODEL, CFG) as store:
+        generate(MODEL, pool[0], store)
+        store.flush()
+        budget = store.disk_bytes() + 2 * store._catalog.chunk_bytes
+    ctx = multiprocessing.get_context("fork")  # (no store is open in this process meanwhile)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_budget_worker, args=(str(path), s + rng.randrange(8), 4.0, budget, out)) for s in range(3)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=55) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+    errors = [g[3] for g in got if g[3] is not None]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    if any(g[2] for g in got) or not all(g[1] > 0 for g in got):
+        return False
+    return _serves_after(path, pool)
+
+
+def _flip(f: Path, offsets: Any) -> None:
+    raw = bytearray(f.read_bytes())
+    for off in offsets:
+        raw[int(off) + 1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def _logits(model, ids: torch.Tensor, store: ImpressStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    kw: dict[str, Any] = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    if store is not None:
+        kw["past_key_values"] = ImpressCache(store)
+    with torch.no_grad(), _quiet():
+        out = model.generate(ids[None], **kw)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def sparse_recovery(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, item 2: a sparse request (decode="full") meets a damaged probe piece,
+    damaged or missing K/V blocks, or a block only its background read of the whole
+    prefix reads; its tokens and logits equal the undamaged store's and plain generate's."""
+    doc = tokens(rng.randrange(10**6), 96)
+    ids = torch.cat([doc, tokens(rng.randrange(10**6), 10)])
+    generate(MODEL, doc, None)
+    with ImpressStore(path, MODEL, CFG) as store:
+        generate(MODEL, doc, store)
+        store.flush()
+        offsets, _ = store.index.block_table(store.match(doc.tolist()).segments[0].file_id)
+    sparse = ImpressConfig(
+        chunk_tokens=16, important_ratio=0.25, decode="full", reorg_idle_ms=None, device_bytes=0, host_bytes=0
+    )
+    clean = path.with_name("clean")
+    shutil.copytree(path, clean)
+    with ImpressStore(clean, MODEL, sparse) as store:
+        ref_seq, ref_logits = _logits(MODEL, ids, store)
+    (f,) = (path / "chunks").iterdir()
+    layer = rng.randrange(offsets.shape[1])
+    how = rng.choice(["probe", "kv", "truncate", "one_kv"])
+    if how == "probe":
+        _flip(f, [offsets[PROBE, layer, rng.randrange(offsets.shape[2])]])
+    elif how == "kv":
+        _flip(f, offsets[KV, layer])
+    elif how == "truncate":
+        os.truncate(f, int(offsets[PROBE, -1, rng.randrange(offsets.shape[2])]))
+    else:  # any one K/V block: read during the prefill or only by the background read
+        _flip(f, [offsets[KV, layer, rng.randrange(offsets.shape[2])]])
+    with ImpressStore(path, MODEL, sparse) as store:
+        seq, logits = _logits(MODEL, ids, store)
+    plain_seq, plain_logits = _logits(MODEL, ids)
+    return (
+        torch.equal(seq, ref_seq) and torch.equal(seq, plain_seq)
+        and (logits - ref_logits).abs().max().item() <= 1e-4 and (logits - plain_logits).abs().max().item() <= 1e-4
+    )
+
+
+def metadata_damage(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, items 3 and 4: a block table or permutation one entry short (the file is
+    quarantined, the answer exact), a damaged model record (index damage with the repair
+    command, never "another model"; repaired, then exact) or no file descriptors left
+    (the read recomputes, nothing is removed)."""
+    docs = _two_prompts(path, rng.randrange(10**6))
+    how = rng.choice(["offsets", "checksums", "model", "descriptors"])
+    conn = sqlite3.connect(path / "index.sqlite")
+    if how in ("offsets", "checksums"):
+        conn.execute(f"UPDATE files SET {how} = substr({how}, 9) WHERE id = (SELECT MAX(id) FROM files)")
+    elif how == "model":
+        (value,) = conn.execute("SELECT value FROM meta WHERE key = 'model'").fetchone()
+        i = rng.randrange(len(value))
+        damaged = value[:i] + ("7" if value[i] != "7" else "8") + value[i + 1 :]
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'model'", (damaged,))
+    conn.commit()
+    conn.close()
+    if how == "model":
+        try:
+            ImpressStore(path, MODEL, CFG).close()
+            return False  # the damage went unnoticed
+        except ModelMismatchError:
+            return False  # reported as another model
+        except StoreFormatError as exc:
+            if "verify --repair" not in str(exc):
+                return False
+        with _quiet(), contextlib.redirect_stderr(open(os.devnull, "w")):
+            repair_store(path)
+    elif how == "descriptors":
+        names = sorted(os.listdir(path / "chunks"))
+        with ImpressStore(path, MODEL, CFG) as store:
+            store.flush()  # (the crash-leftover scan has run)
+            m = store.match(docs[0].tolist())
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            filler: list[int] = []
+            gc.collect()  # (no descriptor is freed by a collection meanwhile)
+            gc.disable()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+            try:
+                with contextlib.suppress(OSError):
+                    while True:
+                        filler.append(os.open(os.devnull, os.O_RDONLY))
+                try:
+                    store.load(m.segments)
+                    return False  # (no descriptor was left: the read cannot have opened the file)
+                except StoreIOError as exc:
+                    if isinstance(exc, CorruptBlockError):
+                        return False
+            finally:
+                for fd in filler:
+                    os.close(fd)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                gc.enable()
+            if store.stats()["quarantined_files"]:
+                return False
+        if sorted(os.listdir(path / "chunks")) != names:
+            return False
+    elif how in ("offsets", "checksums"):  # the file is quarantined (once), the answers exact
+        with ImpressStore(path, MODEL, CFG) as store:
+            exact = all(torch.equal(generate(MODEL, d, store), generate(MODEL, d)) for d in docs)
+            return exact and store.stats()["quarantined_files"] == 1
+    return _serve_exact(path, docs)
+
+
 CATEGORIES: dict[str, tuple[Callable[[Path, Path, random.Random], bool], int, int]] = {
     # name: (try, quick tries, full tries)
     "split_race": (split_race, 5, 50),
@@ -519,6 +755,10 @@ CATEGORIES: dict[str, tuple[Callable[[Path, Path, random.Random], bool], int, in
     "hooks_threads": (hooks_threads, 2, 20),
     "kill_9": (kill9, 1, 5),
     "repair": (repair, 3, 20),
+    "budget_race": (budget_race, 2, 10),
+    "budget_processes": (budget_processes, 1, 3),
+    "sparse_recovery": (sparse_recovery, 8, 40),
+    "metadata_damage": (metadata_damage, 8, 40),
 }
 
 MODEL_FACTORY = tiny

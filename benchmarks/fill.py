@@ -44,7 +44,9 @@ from impress_cache import ImpressConfig, ImpressStore
 from impress_cache.storage.base import KV
 from impress_cache.storage.s3_remote import S3Backend
 from impress_cache.store.remote import lazy
-from impress_cache.tools.seaweed import SeaweedServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seaweed import SeaweedServer  # noqa: E402
 
 MODES = {"every_fill": 0.0, "batched": lazy.SAVE_EVERY_S}
 

@@ -47,7 +47,7 @@ from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E40
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
 from impress_cache.storage.s3_remote import S3Backend  # noqa: E402
 from impress_cache.tools import load_smollm2  # noqa: E402
-from impress_cache.tools.seaweed import SeaweedServer  # noqa: E402
+from seaweed import SeaweedServer  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
 METHODS = {"remote_1.0": 1.0, "remote_0.25": 0.25}

@@ -52,7 +52,8 @@ def host(name: str, store_dir: str, options: str, question: str) -> None:
 
 def main() -> None:
     from impress_cache.storage.s3_remote import S3Backend
-    from impress_cache.tools.seaweed import SeaweedServer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # (a helper of this repository)
+    from seaweed import SeaweedServer
 
     with tempfile.TemporaryDirectory() as work, SeaweedServer(Path(work) / "seaweed") as server:
         S3Backend("kvbucket", "", server.options).ensure_bucket()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,13 +90,24 @@ def gemma3():
     return _gemma3_270m()
 
 
+def seaweed_server() -> type:
+    """`SeaweedServer` of ``benchmarks/seaweed.py`` (a helper of this repository, not of
+    the installed package)."""
+    import sys
+
+    here = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if here not in sys.path:
+        sys.path.append(here)
+    from seaweed import SeaweedServer
+
+    return SeaweedServer
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A SeaweedFS server (master, volume, filer, S3 gateway) on free loopback ports in a
     temporary directory, shared by the remote-tier tests; killed (SIGKILL) at teardown."""
-    from impress_cache.tools.seaweed import SeaweedServer
-
-    with SeaweedServer(tmp_path_factory.mktemp("seaweed")) as server:
+    with seaweed_server()(tmp_path_factory.mktemp("seaweed")) as server:
         yield server
 
 
@@ -119,9 +131,7 @@ def bucket(seaweed):
 @pytest.fixture
 def own_seaweed(tmp_path):
     """A SeaweedFS server of one test's own, for tests that kill or pause it."""
-    from impress_cache.tools.seaweed import SeaweedServer
-
-    server = SeaweedServer(tmp_path / "seaweed")
+    server = seaweed_server()(tmp_path / "seaweed")
     try:
         yield server.start()
     finally:

@@ -28,6 +28,14 @@ class StoreFormatError(ImpressError):
     (another schema version, a damaged index); the message names the file and what to do."""
 
 
+class IndexRefusedError(ImpressError):
+    """The index refused a change that would break one of its invariants (a node whose
+    rows are not inside an indexed file, a node whose parent is missing, a file removed
+    while a node still references it): the change was planned from a state another
+    thread or process changed meanwhile. Nothing was committed; the index is intact (not
+    damaged) and the store keeps serving."""
+
+
 class StoreLimitError(ImpressError, ValueError):
     """A file, layer or block number beyond what the store addresses (`storage.base.block_code`:
     4,096 layers, 1,048,576 blocks per layer of one file, 2^31 file ids)."""

@@ -50,3 +50,20 @@ def test_a_wrong_call_is_raised_as_it_is(tmp_path):
     # SQLite's ProgrammingError (here: a closed connection) is a wrong call too
     with pytest.raises(sqlite3.ProgrammingError):
         index.file(file_id)
+
+
+def test_schema_text_that_does_not_decode_is_damage(tmp_path):
+    """A flipped byte in the schema's SQL text (more of it since the invariant triggers)
+    makes SQLite report a malformed schema whose message does not decode as UTF-8: that
+    is damage too, not a raw ``UnicodeDecodeError`` (found by benchmarks/faults.py)."""
+    Index(tmp_path / "index.sqlite").close()
+    conn = sqlite3.connect(tmp_path / "index.sqlite")
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'node_inside_file'").fetchone()
+    raw = sql.encode()
+    damaged = raw[:40] + b"\xce" + raw[41:]  # not UTF-8, and no longer valid SQL (reported with the bad byte)
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_master SET sql = CAST(? AS TEXT) WHERE name = 'node_inside_file'", (damaged,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreFormatError, match="verify --repair"):
+        Index(tmp_path / "index.sqlite")

@@ -18,6 +18,7 @@ from conftest import VOCAB, tiny_model
 from helpers import run
 from impress_cache import CacheUsageError, ImpressCache, ImpressConfig, ImpressError, ImpressStore
 from impress_cache.errors import CorruptBlockError
+from impress_cache.index.schema import INVARIANT_NAMES
 from impress_cache.store import CHUNK_DIR
 
 CFG = ImpressConfig(chunk_tokens=16, important_ratio=1.0, reorg_idle_ms=None)
@@ -119,8 +120,18 @@ def test_a_failed_commit_changes_neither_tree_nor_files(tmp_path, caplog):
 
 
 # -- 5. index damage ----------------------------------------------------------------------------
-def _sql(path: Path, statement: str, *args) -> None:
+def damaging(path: Path) -> sqlite3.Connection:
+    """A connection to the index that damages it as the disk would: without the
+    invariant triggers (which only see changes made through SQL; the store recreates
+    them when it opens)."""
     conn = sqlite3.connect(path / "index.sqlite")
+    for name in INVARIANT_NAMES:
+        conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+    return conn
+
+
+def _sql(path: Path, statement: str, *args) -> None:
+    conn = damaging(path)
     conn.execute(statement, args)
     conn.commit()
     conn.close()
@@ -232,7 +243,7 @@ def test_random_damage_gives_exact_output_or_a_clear_error(built_store, tmp_path
     kind, what, how, pos = target
     if kind == "index":
         table, column = what
-        conn = sqlite3.connect(path / "index.sqlite")
+        conn = damaging(path)
         rows = conn.execute(f"SELECT rowid, {column} FROM {table}").fetchall()
         if rows:
             rowid, value = rows[pos % len(rows)]

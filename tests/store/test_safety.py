@@ -264,8 +264,13 @@ def test_a_full_disk_never_fails_generation(tmp_path, caplog):
 
 _EFBIG = textwrap.dedent(
     """
-    import resource, signal, sys, torch
+    import logging, resource, signal, sys, torch
     sys.path.insert(0, {tests!r})
+    warnings = []
+    class Kept(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("impress_cache").addHandler(Kept(logging.WARNING))
     from conftest import tiny_model
     from helpers import run
     from impress_cache import ImpressCache, ImpressConfig, ImpressStore
@@ -279,6 +284,8 @@ _EFBIG = textwrap.dedent(
     assert torch.equal(out, run(model, ids, new_tokens=3)[0])
     store.flush()
     assert store.stats()["write_failures"] == 1, store.stats()["write_failures"]
+    # the warning names the limit that was hit and the way out
+    assert any("RLIMIT_FSIZE" in w and "20000 bytes" in w and "read_only=True" in w for w in warnings), warnings
     store.close()
     store.close()
     print("ok")

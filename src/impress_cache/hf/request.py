@@ -77,6 +77,8 @@ class PrefixRequest:
         #: a hybrid model's checkpointed states at ``reused`` (see `store.states`)
         self.states: dict[str, torch.Tensor] | None = None
         self._recomputed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        #: the planned batch rows the whole prefix is restored for (``decode="full"``)
+        self._full_rows = self.rows
         self.prefill_started: float | None = None
         t0 = time.perf_counter()
         try:
@@ -247,11 +249,18 @@ class PrefixRequest:
         rest of the prefix; store the prompt (dense reuse, or nothing reused)."""
         if self.prefill_started is not None:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
+        if self._recomputed is not None and self.stats.recomputed_layers >= self.store.spec.num_layers:
+            self._nothing_reused()  # every layer's prefix came from the recompute, none from the store
         if self.sparse is not None:
             self.sparse.finish()
-            if self.store.config.decode == "full" and self._recomputed is None:
+            if self.store.config.decode == "full":
                 # the batch's rows as they are now: later reorders apply to the result
-                self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
+                self._full_rows = self.rows.clone()
+                if self._recomputed is None:
+                    self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
+                else:  # a recovery recomputed the whole prefix: restored from memory, as if read
+                    self._full = Future()
+                    self._full.set_result((*self._whole_prefix(self._recomputed), 0, 0))
             elif self.sparse.reselector is None or self._recomputed is not None:
                 self.end_decoding()  # nothing more to read (re-selection reads the leased files)
             self._settle_tiers()
@@ -260,6 +269,15 @@ class PrefixRequest:
         self._settle_tiers()
         if store_prompt:
             self._store_prompt(layers)
+
+    def _nothing_reused(self) -> None:
+        """The statistics of a request whose prefix was recomputed for every layer: its
+        matched tokens were computed, not reused (the stored match stays in ``stored_match``)."""
+        for row in self.stats.rows:
+            row.computed_tokens += row.matched_tokens
+            row.matched_tokens = 0
+        self.stats.matched_tokens = 0
+        self.stats.computed_tokens = sum(r.computed_tokens for r in self.stats.rows)
 
     def _settle_tiers(self) -> None:
         """Apply the memory tiers' recorded accesses on the fetcher thread, after anything
@@ -287,9 +305,7 @@ class PrefixRequest:
         except (CorruptBlockError, StoreFormatError, StoreIOError) as exc:
             if isinstance(exc, CorruptBlockError):
                 self._quarantine(exc)
-            rec = recompute_prefix(self.store.model, *self._planned, self.reused, self.store.spec)
-            keys = torch.stack([k for k, _ in rec]).index_select(1, self.rows)
-            values = torch.stack([v for _, v in rec]).index_select(1, self.rows)
+            keys, values = self._whole_prefix(recompute_prefix(self.store.model, *self._planned, self.reused, self.store.spec))
             nbytes = blocks = 0
         finally:
             self.release_lease()
@@ -300,6 +316,15 @@ class PrefixRequest:
         self.stats.bytes_read_disk += nbytes
         self.stats.blocks_read += blocks
         self.sparse.memo.clear()
+        return keys, values
+
+    def _whole_prefix(self, rec: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A recomputed prefix (`recompute_prefix`) as `SparsePrefill.load_full` returns the
+        read one: ``[layers, batch, kv_heads, reused, head_dim]`` in the stored dtype, for
+        the batch rows the whole prefix was asked for (``_full_rows``)."""
+        dtype = self.store.spec.torch_kv_dtype
+        keys = torch.stack([k for k, _ in rec]).index_select(1, self._full_rows).to(dtype)
+        values = torch.stack([v for _, v in rec]).index_select(1, self._full_rows).to(dtype)
         return keys, values
 
     def expand(self, repeats: int) -> None:

@@ -7,7 +7,9 @@ bug and is raised as it is, never disguised as a damaged store."""
 
 from __future__ import annotations
 
+import errno
 import functools
+import resource
 import shutil
 import sqlite3
 from pathlib import Path
@@ -15,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ImpressError, ReadOnlyStoreError, StoreFormatError, StoreIOError
+from ..errors import ImpressError, IndexRefusedError, ReadOnlyStoreError, StoreFormatError, StoreIOError
 from ..storage.base import kind_of
+from .schema import REFUSAL
 
 #: what a value read back from a damaged index raises while it is decoded (blobs of the
 #: wrong size, text that is not JSON, numbers where there should be bytes)
@@ -31,14 +34,17 @@ _IO_CODES = {
 def index_error(path: Path, exc: BaseException) -> ImpressError:
     """The `ImpressError` for an error met while using the index at ``path``."""
     code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if isinstance(exc, sqlite3.IntegrityError) and REFUSAL in str(exc):
+        return IndexRefusedError(
+            f"the index {path} refused a change planned from a state that changed meanwhile ({exc}); "
+            "nothing was committed and the index is intact"
+        )
     if isinstance(exc, sqlite3.Error) and code in _IO_CODES:
         what = f"cannot use the index {path}: {exc}"
         if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
-            try:
-                free = shutil.disk_usage(path.parent).free
-                what += f" ({free} bytes free on its file system{'; the disk is full' if free < 1 << 20 else ''})"
-            except OSError:
-                pass
+            what += room_left(path.parent)
+        if code == sqlite3.SQLITE_FULL:
+            what += WAY_OUT
         if code == sqlite3.SQLITE_READONLY:
             return ReadOnlyStoreError(
                 what + ". A store on a read-only path can only serve: open it with "
@@ -51,12 +57,41 @@ def index_error(path: Path, exc: BaseException) -> ImpressError:
     )
 
 
+#: what to do when the store cannot write (a full disk, a file-size limit)
+WAY_OUT = (
+    ". Free some space (or raise the limit) or lower the store's disk_bytes; to keep serving what is "
+    "stored without writing, open it with ImpressStore(path, model, config, read_only=True)"
+)
+#: ``errno`` values that say the store has no room to write
+NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+def room_left(directory: Path) -> str:
+    """What limits writes in ``directory``: the process's file-size limit when one is set
+    (``RLIMIT_FSIZE``: a write past it fails with ``EFBIG`` however much space is free),
+    and the bytes free on its file system."""
+    parts = []
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            parts.append(f"this process may write files of at most {limit} bytes (RLIMIT_FSIZE, `ulimit -f`)")
+    except (OSError, ValueError):
+        pass
+    try:
+        free = shutil.disk_usage(directory).free
+        parts.append(f"{free} bytes free on its file system{'; the disk is full' if free < 1 << 20 else ''}")
+    except OSError:
+        pass
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def is_damage(exc: BaseException, decoding: bool = False) -> bool:
     """Whether ``exc`` comes from the index (its content or its disk) rather than from a
     wrong call in our code; ``decoding``: raised while values read back were decoded."""
     if isinstance(exc, (ImpressError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
         return False
-    return isinstance(exc, sqlite3.Error) or (decoding and isinstance(exc, MALFORMED))
+    # (an error SQLite reports about damaged schema text can itself fail to decode)
+    return isinstance(exc, (sqlite3.Error, UnicodeDecodeError)) or (decoding and isinstance(exc, MALFORMED))
 
 
 def float_rows(rows: list[tuple] | list[list]) -> np.ndarray:

@@ -75,3 +75,40 @@ TRIGGERS = (
     "CREATE TRIGGER IF NOT EXISTS file_removed AFTER DELETE ON files BEGIN "
     "DELETE FROM block_stats WHERE file_id = OLD.id; END",
 )
+
+#: the prefix of every message the invariant triggers raise (`guard.index_error` turns
+#: such a refusal into `IndexRefusedError`, not "index damaged")
+REFUSAL = "impress_cache invariant"
+
+
+def _refuse(why: str) -> str:
+    return "BEGIN SELECT RAISE(ABORT, '" + f"{REFUSAL}: {why}".replace("'", "''") + "'); END"
+
+_OUTSIDE = (
+    "NOT EXISTS (SELECT 1 FROM files WHERE id = NEW.file_id AND NEW.file_row >= 0 AND NEW.length >= 1 "
+    "AND NEW.file_row + NEW.length <= n_tokens)"
+)
+_ORPHAN = "NEW.parent != 0 AND NOT EXISTS (SELECT 1 FROM nodes WHERE id = NEW.parent)"
+
+#: the radix tree's invariants, enforced by the index itself (created when a store is
+#: opened for writing, so a store made before them gets them): a node's rows lie inside
+#: an indexed file and its parent exists; a file is not removed while a node references
+#: it, nor a node while it has children. A plan made from a stale view of the index is
+#: refused here whatever path made it.
+INVARIANTS = (
+    f"CREATE TRIGGER IF NOT EXISTS node_inside_file BEFORE INSERT ON nodes WHEN {_OUTSIDE} "
+    + _refuse("a node's rows must lie inside an indexed file"),
+    f"CREATE TRIGGER IF NOT EXISTS node_moved_inside_file BEFORE UPDATE OF file_id, file_row, length ON nodes "
+    f"WHEN {_OUTSIDE} " + _refuse("a node's rows must lie inside an indexed file"),
+    f"CREATE TRIGGER IF NOT EXISTS node_has_parent BEFORE INSERT ON nodes WHEN {_ORPHAN} "
+    + _refuse("a node's parent must exist"),
+    f"CREATE TRIGGER IF NOT EXISTS node_moved_has_parent BEFORE UPDATE OF parent ON nodes WHEN {_ORPHAN} "
+    + _refuse("a node's parent must exist"),
+    "CREATE TRIGGER IF NOT EXISTS node_without_children BEFORE DELETE ON nodes "
+    "WHEN EXISTS (SELECT 1 FROM nodes WHERE parent = OLD.id) " + _refuse("a node with children cannot go"),
+    "CREATE TRIGGER IF NOT EXISTS file_unreferenced BEFORE DELETE ON files "
+    "WHEN EXISTS (SELECT 1 FROM nodes WHERE file_id = OLD.id) " + _refuse("a file a node references cannot go"),
+)
+
+#: the names of the `INVARIANTS` triggers
+INVARIANT_NAMES = tuple(sql.split()[5] for sql in INVARIANTS)

@@ -26,14 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ReadOnlyStoreError, StoreFormatError
-from .guard import _check_regular, _guarded, index_error, is_damage
+from ..errors import CorruptBlockError, ReadOnlyStoreError, StoreFormatError
+from .guard import MALFORMED, _check_regular, _guarded, index_error, is_damage
 from ..storage.base import create_file, disk_bytes
 from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
 from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
-from .schema import SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
+from .schema import INVARIANTS, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
 
 
 #: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
@@ -83,7 +83,7 @@ class Index(StatisticsTables):
                     self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                     with self.transaction() as conn:
                         version = self._check_version(conn)
-                        for statement in [*SCHEMA.split(";"), *TRIGGERS]:  # (stores made before the triggers get them)
+                        for statement in [*SCHEMA.split(";"), *TRIGGERS, *INVARIANTS]:  # (stores made before the triggers get them)
                             if statement.strip():
                                 conn.execute(statement)
                         if version is None:
@@ -284,8 +284,11 @@ class Index(StatisticsTables):
         if row is None:
             return None
         layers, n, ct, offsets, checksums = row
-        shape = (2, layers, -(-n // ct))
-        return np.frombuffer(offsets, dtype="<i8").reshape(shape), np.frombuffer(checksums, dtype="<u4").reshape(shape)
+        try:
+            shape = (2, layers, -(-n // ct))
+            return np.frombuffer(offsets, dtype="<i8").reshape(shape), np.frombuffer(checksums, dtype="<u4").reshape(shape)
+        except (*MALFORMED, ZeroDivisionError) as exc:
+            raise _inconsistent(file_id, "block table", exc) from exc
 
     def file_perm(self, file_id: int) -> np.ndarray | None:
         """``perm[layer, r]`` of a reordered file (the physical row of logical row ``r``)."""
@@ -293,7 +296,10 @@ class Index(StatisticsTables):
             row = self._conn.execute("SELECT layers, n_tokens, perm FROM files WHERE id=?", (file_id,)).fetchone()
         if row is None or row[2] is None:
             return None
-        return np.frombuffer(row[2], dtype="<i4").reshape(row[0], row[1])
+        try:
+            return np.frombuffer(row[2], dtype="<i4").reshape(row[0], row[1])
+        except MALFORMED as exc:
+            raise _inconsistent(file_id, "row permutation", exc) from exc
 
     def delete_file(self, conn: sqlite3.Connection, file_id: int) -> None:
         """Forget a file and (trigger ``file_removed``) its blocks' statistics (inside a transaction)."""
@@ -421,6 +427,13 @@ _DECODING = {
 for _name, _fn in [*vars(StatisticsTables).items(), *vars(Index).items()]:
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
         setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
+
+
+def _inconsistent(file_id: int, what: str, exc: BaseException) -> CorruptBlockError:
+    """A file's record whose arrays contradict its header fields (layers, rows, rows per
+    block): the file cannot be read as indexed, so it is treated as a damaged file (its
+    request recomputes, the file is quarantined), not as a damaged index."""
+    return CorruptBlockError(f"the index's {what} of file {file_id} does not match its record ({exc})", file_id)
 
 
 def _has_meta(conn: sqlite3.Connection) -> bool:

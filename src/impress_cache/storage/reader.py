@@ -12,6 +12,7 @@ without the GIL) before the batch is reported done.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptBlockError
+from ..errors import CorruptBlockError, StoreIOError
 from .base import ALIGN, checksum
 
 #: iovecs per ``preadv`` call (Linux IOV_MAX is 1024; a block may need a gap iovec)
@@ -163,6 +164,20 @@ def _now(fn: Callable[[FileBlocks, memoryview], int], g: FileBlocks, dest: memor
     return fut
 
 
+#: errors of a read that say nothing about the file (out of descriptors or memory, a
+#: signal): the request recomputes, the file is not quarantined
+TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS})
+
+
+def read_failed(what: str, exc: OSError, file_id: int) -> CorruptBlockError | StoreIOError:
+    """The error for an ``OSError`` met while opening or reading a chunk file: a
+    transient one (`TRANSIENT`) is a `StoreIOError` (recompute, remove nothing), any
+    other one says the file is damaged or gone (`CorruptBlockError`: quarantine)."""
+    if exc.errno in TRANSIENT:
+        return StoreIOError(f"{what}: {exc} (a passing condition: nothing is removed, the request recomputes)")
+    return CorruptBlockError(f"{what}: {exc}", file_id)
+
+
 def open_chunk_file(path: str | Path, file_id: int, dir_fd: int | None = None, shown: Path | None = None) -> int:
     """A read-only descriptor of a chunk file (``path`` relative to ``dir_fd`` if given):
     no symbolic links, never blocking on a FIFO, regular files only; `CorruptBlockError`
@@ -171,7 +186,7 @@ def open_chunk_file(path: str | Path, file_id: int, dir_fd: int | None = None, s
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
-        raise CorruptBlockError(f"cannot open chunk file {name}: {exc}", file_id) from exc
+        raise read_failed(f"cannot open chunk file {name}", exc, file_id) from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CorruptBlockError(f"chunk file {name} is not a regular file", file_id)
@@ -217,7 +232,7 @@ def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, g: FileBlocks, e
         try:
             n = os.preadv(fd, pending[:_MAX_IOV], pos)
         except OSError as exc:
-            raise CorruptBlockError(f"cannot read chunk file {g.path}: {exc}", g.file_id) from exc
+            raise read_failed(f"cannot read chunk file {g.path}", exc, g.file_id) from exc
         if n == 0:
             raise CorruptBlockError(
                 f"chunk file {g.path} is truncated: wanted bytes up to {end}, file ends at {pos}", g.file_id

@@ -69,6 +69,16 @@ class RemoteBackend(ABC):
     def delete(self, names: Sequence[str]) -> None:
         """Remove objects (absent ones are ignored)."""
 
+    def check(self) -> str | None:
+        """Whether the remote can be used: ``None``, or what is wrong, naming the bucket
+        and the endpoint (a missing bucket, refused credentials, an unreachable server).
+        By default a listing of the root."""
+        try:
+            self.list("")
+        except RemoteError as exc:
+            return str(exc)
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections."""
 

@@ -46,6 +46,20 @@ class S3Backend(RemoteBackend):
         self.fs.retries = max(1, retries)
         self.root = f"{bucket}/{prefix}".rstrip("/")
         self.bucket = bucket
+        self.endpoint = str(opts.get("client_kwargs", {}).get("endpoint_url") or "the default S3 endpoint")
+
+    def check(self) -> str | None:
+        """One ``HEAD`` of the bucket: ``None`` when it answers, else what failed."""
+        where = f"bucket {self.bucket!r} at {self.endpoint}"
+        try:
+            self.fs.call_s3("head_bucket", Bucket=self.bucket)
+        except FileNotFoundError:
+            return f"{where} does not exist"
+        except PermissionError as exc:
+            return f"{where} refuses these credentials ({exc})"
+        except Exception as exc:  # noqa: BLE001 - unreachable, slow, anything else
+            return f"{where} cannot be reached ({type(exc).__name__}: {exc})"
+        return None
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"

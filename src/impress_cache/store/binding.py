@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,10 +63,36 @@ def choose_probe_heads(num_attention_heads: int, num_key_value_heads: int, probe
     return sorted(heads)
 
 
+#: the ``meta`` key of the model record's own checksum
+MODEL_SUM = "model_sha256"
+
+
+def model_sum(model: Any) -> str:
+    """SHA-256 of a model record (its canonical JSON)."""
+    return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
+
+
+def check_model_record(index: Index, model: Any) -> None:
+    """Raise `StoreFormatError` (index damage, with the repair command) when the model
+    record ``model`` read from ``index`` fails its own checksum. A store made before the
+    checksum gets it here (when it is open for writing) from the record as it is."""
+    if model is None:
+        return
+    want = model_sum(model)
+    have = index.get_json(MODEL_SUM) if index.read_only else index.get_or_set_json(MODEL_SUM, want)
+    if have is not None and have != want:
+        raise StoreFormatError(
+            f"the index {index.path} is damaged: its model record fails its checksum (the record says "
+            f"{json.dumps(model, sort_keys=True)[:200]}). Rebuild the index from the chunk files with "
+            f"`impress-cache verify --repair {index.path.parent}`."
+        )
+
+
 def recorded(index: Index, path: Path) -> tuple[ModelSpec, ProbeSpec]:
     """The model and probe settings an existing store records (for maintenance without
     the model); `StoreFormatError` when the directory holds no bound store."""
     model, probe = index.get_json("model"), index.get_json("probe")
+    check_model_record(index, model)
     if model is None or probe is None:
         raise StoreFormatError(
             f"{path} holds no store bound to a model yet; open it once with the model (ImpressStore(path, model))"
@@ -80,6 +109,7 @@ def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path
         recorded(index, path)
     # one transaction each: of two processes creating a store, one records its model
     stored = index.get_json("model") if index.read_only else index.get_or_set_json("model", spec.to_dict())
+    check_model_record(index, stored)  # damage is not a mismatch
     spec.check_same(stored, str(path))
     q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(config.probe_heads, spec.num_attention_heads))
     group = spec.num_attention_heads // spec.num_kv_heads

@@ -251,16 +251,21 @@ class Catalog:
             self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
-        self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile | None, budget: int | None = None
+        self, tokens: Sequence[int] | np.ndarray, matched: int, new_file: NewFile, budget: int | None = None
     ) -> tuple[int, RadixNode | None] | None:
         """Index a stored prompt in one transaction, then update the tree.
 
-        ``new_file`` holds the prompt's rows from position ``matched`` on (``None`` when
-        the prompt was stored already). Returns ``(file_id, leaf)`` when the file was
-        committed, ``None`` when it is not needed (another writer stored the prompt
-        meanwhile) or cannot be used (part of the prefix it extends was removed); the
-        caller then removes it with `discard`. With a disk ``budget`` and an `evictor`,
-        the same transaction removes what the new file needs room for.
+        ``new_file`` holds the prompt's rows from position ``matched`` on. The prompt is
+        matched again inside the transaction (whose tree follows the index under its
+        write lock) and only what is still missing is indexed: rows another writer
+        stored meanwhile are taken from its file, not this one. Returns ``(file_id,
+        leaf)`` when the file was committed, ``None`` when it is not needed (the whole
+        prompt is stored meanwhile) or cannot be used (part of the prefix it extends
+        was removed meanwhile); the caller then removes it with `discard`. With a disk
+        ``budget`` and an `evictor`, the same transaction removes what the new file
+        needs room for. The index's own triggers (`schema.INVARIANTS`) refuse a plan
+        that would point a node outside an indexed file: `IndexRefusedError`, nothing
+        committed.
 
         An exception means nothing was committed. Once the transaction has committed,
         a step after it that fails (the tree update, the removals' bookkeeping) is
@@ -289,7 +294,7 @@ class Catalog:
                 else:  # changed while the commit ran: a reload (which saw the commit) or else
                     if self.tree is tree:
                         self.reload_tree()
-                    leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
+                    leaf = self.tree.get(ids["leaf"])
                     halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
                     if halves and all(self.tree.get(h) is not None for h in halves):
                         self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
@@ -297,7 +302,7 @@ class Catalog:
                     removal[0].settle()
             except BaseException as exc:
                 self.after_commit_failed("a stored prompt's tree update", exc)
-                leaf = self.tree.get(ids["leaf"]) if "leaf" in ids else None
+                leaf = self.tree.get(ids["leaf"])
                 if not isinstance(exc, Exception):
                     raise
         if removal and removal[0] is not None:
@@ -305,7 +310,7 @@ class Catalog:
                 removal[0].release()
             except Exception as exc:  # noqa: BLE001 - the removed files stay as orphans
                 self.after_commit_failed("unlinking files the disk budget removed", exc, reload=False)
-        return (file_id, leaf) if record is not None else None
+        return file_id, leaf
 
     def after_commit_failed(self, step: str, exc: BaseException, reload: bool = True) -> None:
         """A step after a committed transaction failed: log and count it and bring the
@@ -322,44 +327,39 @@ class Catalog:
             log.warning("reloading the tree failed as well (retried at the next look at the index): %r", again)
 
     def _index_prompt(
-        self, arr: np.ndarray, matched: int, new_file: NewFile | None, budget: int | None, removal: list,
+        self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
         before_commit: Callable[[], None],
-    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord | None, tuple[RadixTree, int]] | None:
+    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord, tuple[RadixTree, int]] | None:
         """`commit_prompt`'s transaction; returns what the tree needs to follow it and the
-        tree and its `RadixTree.version` as the plan saw them (``None``: nothing
-        committed, the prefix changed). ``before_commit`` runs last inside the
-        transaction, right before its ``COMMIT``."""
+        tree and its `RadixTree.version` as the plan saw them (``None``: nothing to
+        commit). ``before_commit`` runs last inside the transaction, right before its
+        ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.transaction() as conn:
-            now_m = self.tree.match(arr).length
-            if new_file is not None and now_m < matched:
+            now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
+            if now_m == len(arr):
+                return None  # stored meanwhile by another writer: nothing is missing
+            if now_m < matched:
                 log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
                 return None  # part of the prefix this file extends was removed meanwhile
-            if now_m == len(arr):
-                new_file = None  # stored meanwhile by another writer
-            file_id = self.index.add_file(conn, new_file) if new_file is not None else -1
-            file_tokens = None if new_file is None else as_tokens(new_file.tokens)
-            plan = self.tree.plan_insert(arr, file_id, now_m - matched, file_tokens)
+            file_id = self.index.add_file(conn, new_file)
+            plan = self.tree.plan_insert(arr, file_id, now_m - matched, as_tokens(new_file.tokens))
             parent_id = plan.parent.id
-            if plan.split is not None:
+            if plan.split is not None:  # (children moved before their old parent goes: schema.INVARIANTS)
                 old, k = plan.split
                 assert old.parent is not None
-                self.index.delete_node(conn, old.id)
-                ids["upper"] = self.index.add_node(
-                    conn, old.parent.id, old.file_id, old.file_row, k, int(plan.leaf is None)
-                )
+                ids["upper"] = self.index.add_node(conn, old.parent.id, old.file_id, old.file_row, k, 0)
                 ids["lower"] = self.index.add_node(
                     conn, ids["upper"], old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal
                 )
                 self.index.reparent(conn, old.id, ids["lower"])
+                self.index.delete_node(conn, old.id)
                 parent_id = ids["upper"]
-            if plan.leaf is not None:
-                leaf_tokens, _, row = plan.leaf
-                ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
-            elif plan.terminal is not None:
-                self.index.add_terminal(conn, plan.terminal.id)
-            record = None if new_file is None else _record_of(file_id, new_file)
-            if budget is not None and self.evictor is not None and record is not None:
+            assert plan.leaf is not None  # (the prompt is longer than its match)
+            leaf_tokens, _, row = plan.leaf
+            ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
+            record = _record_of(file_id, new_file)
+            if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
                 removal.append(None)  # (from here on, a failure reloads the tree)
                 removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
@@ -367,23 +367,17 @@ class Catalog:
             before_commit()
         return plan, ids, file_id, record, seen
 
-    def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord | None) -> RadixNode | None:
+    def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord) -> RadixNode:
         """The tree (and file table) after `_index_prompt`'s commit; returns the new leaf."""
-        if record is not None:
-            self._add_record(record)
+        self._add_record(record)
         parent = plan.parent
         if plan.split is not None:
             old, k = plan.split
             parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
             self._on_split(old.id, (ids["upper"], ids["lower"]), k)
-            if plan.leaf is None:
-                parent.terminal += 1
-        if plan.leaf is not None:
-            leaf_tokens, _, row = plan.leaf
-            return self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
-        if plan.terminal is not None:
-            plan.terminal.terminal += 1
-        return None
+        assert plan.leaf is not None
+        leaf_tokens, _, row = plan.leaf
+        return self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile

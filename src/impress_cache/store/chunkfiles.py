@@ -151,3 +151,16 @@ def check_match(records: FileTable, tokens: np.ndarray, match: Match) -> tuple[i
             return seg.file_id, "the tokens before its first row are not the ones it was computed after"
         pos += seg.length
     return None
+
+
+def check_tables(open_file: Callable[[int], OpenFile], match: Match) -> tuple[int, str] | None:
+    """The first file of a match whose record cannot be read as its header fields say
+    (a block table or permutation of the wrong size, `Index.block_table`): ``(file_id,
+    reason)``, to quarantine like a file that fails its checksum. ``open_file`` keeps a
+    file's table once read (`OpenFiles.get`): after that, a look-up per segment."""
+    for seg in match.segments:
+        try:
+            open_file(seg.file_id)
+        except CorruptBlockError as exc:
+            return exc.file_id, str(exc)
+    return None

@@ -164,7 +164,7 @@ class StoreGC:
             if used <= budget:
                 break
             with catalog.lock:
-                removal, stuck = self._evict_batch(budget, bound, protected, used)
+                removal, stuck = self._evict_batch(budget, bound, protected)
             removal.release()  # (unlinks and counts)
             result["removed_prefixes"] += len(removal.victims)
             result["removed_files"] += len(removal.dropped)
@@ -218,20 +218,19 @@ class StoreGC:
             return None
         return Removal(self, victims, dropped, back)
 
-    def _evict_batch(self, budget: int, wal_room: int, protected: set[int], used: int) -> tuple[Removal, bool]:
-        """Up to `BATCH` removals in one index transaction (under the catalog lock), from
-        ``used`` bytes (`_used`, just measured). Returns them, settled (`Removal.release`
-        is the caller's, outside the lock), and whether it ran out of candidates."""
+    def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[Removal, bool]:
+        """Up to `BATCH` removals in one index transaction (under the catalog lock), for
+        what the store takes as measured inside that transaction. Returns them, settled
+        (`Removal.release` is the caller's, outside the lock), and whether it ran out of
+        candidates."""
         catalog = self._catalog
-        chunk_bytes = catalog.chunk_bytes
         try:
-            # not fsynced: a removal a power cut undoes leaves rows whose file is gone,
-            # which reads treat as a damaged file (quarantine, recompute); the next
-            # durable commit makes it durable
-            # (refreshed under the write lock: a leaf another process extended since the
-            # refresh above is seen to have children now; its removal would orphan them)
-            with catalog.transaction(durable=False) as conn:
-                used += catalog.chunk_bytes - chunk_bytes  # another process's files, if it reloaded
+            # durable before its files are unlinked (a removal a power cut undid would
+            # leave rows whose file is gone); refreshed under the write lock: what other
+            # processes removed or added since the caller's look counts, and a leaf
+            # another process extended meanwhile is seen to have children
+            with catalog.transaction() as conn:
+                used = self._used(wal_room)
                 victims, dropped, back, exhausted = self._remove_leaves(conn, budget, used, protected)
         except BaseException:
             catalog.reload_tree()

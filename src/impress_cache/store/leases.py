@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from ..index.radix import Match
@@ -55,7 +55,12 @@ class PrefixLease:
         self.file_ids = tuple(file_ids)
         #: a leased file had left the index before the lease was taken: match again
         self.stale = False
-        self._finalizer = weakref.finalize(self, _release, weakref.ref(table), self.file_ids, request)
+        self._table = weakref.ref(table)
+        self._request = request
+        # a lease dropped without `release` is handed back by garbage collection, which may
+        # run inside any code of this thread, the lease table's locked sections included:
+        # the finalizer takes no lock, it only queues the release (`LeaseTable.settle`)
+        self._finalizer = weakref.finalize(self, _release_later, self._table, self.file_ids, request)
 
     @property
     def active(self) -> bool:
@@ -64,7 +69,10 @@ class PrefixLease:
 
     def release(self) -> None:
         """Drop the references (idempotent)."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            table = self._table()
+            if table is not None:
+                table.release(self.file_ids, self._request)
 
     def __enter__(self) -> PrefixLease:
         return self
@@ -73,10 +81,11 @@ class PrefixLease:
         self.release()
 
 
-def _release(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ...], request: bool) -> None:
+def _release_later(table_ref: Callable[[], LeaseTable | None], file_ids: tuple[int, ...], request: bool) -> None:
+    """A garbage-collected lease's release, queued (no lock: see `PrefixLease`)."""
     table = table_ref()
     if table is not None:
-        table.release(file_ids, request)
+        table.dropped.append((file_ids, request))  # (deque.append is atomic)
 
 
 class Unlinker:
@@ -186,12 +195,25 @@ class LeaseTable:
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
         self._lock = threading.Lock()
+        #: releases of leases that garbage collection dropped, applied by `settle`
+        self.dropped: deque[tuple[tuple[int, ...], bool]] = deque()
         self._held: Counter[int] = Counter()
         self._matched_at: dict[int, float] = {}
         self._doomed: dict[int, tuple[str, Callable[[], None] | None]] = {}
 
+    def settle(self) -> None:
+        """Apply the releases of leases that garbage collection dropped (queued by their
+        finalizers, which take no lock); every other method calls it first."""
+        while self.dropped:
+            try:
+                file_ids, request = self.dropped.popleft()
+            except IndexError:  # (another thread took the last one)
+                return
+            self.release(file_ids, request)
+
     def note(self, match: Match) -> None:
         """Start the grace period of a match's files."""
+        self.settle()
         now = self._clock()
         with self._lock:
             if len(self._matched_at) > 4096:
@@ -202,6 +224,7 @@ class LeaseTable:
     def protection(self, file_id: int, now: float) -> int:
         """``LEASED`` (a request holds it), ``GRACE`` (matched within the grace period,
         not leased) or ``FREE``."""
+        self.settle()
         with self._lock:
             if self._held[file_id] > 0:
                 return LEASED
@@ -210,6 +233,7 @@ class LeaseTable:
             return FREE
 
     def held(self) -> dict[int, int]:
+        self.settle()
         with self._lock:
             return {k: v for k, v in self._held.items() if v > 0}
 
@@ -224,6 +248,7 @@ class LeaseTable:
 
     def hold(self, file_ids: Sequence[int], request: bool = True) -> PrefixLease:
         """One reference on every file of ``file_ids``."""
+        self.settle()
         with self._lock:
             self._held.update(file_ids)
         if request and self._activity is not None:
@@ -246,6 +271,7 @@ class LeaseTable:
 
     def deferred_names(self) -> set[str]:
         """Names of the files whose unlink waits for their last lease (`defer_unlink`)."""
+        self.settle()
         with self._lock:
             return {name for name, _ in self._doomed.values()}
 
@@ -253,6 +279,7 @@ class LeaseTable:
         """Unlink a file now, or when its last lease goes; True if it was deferred.
         ``before`` runs just before the unlink (e.g. closing this process's descriptor
         of the file, which a reader holding the lease may still be using)."""
+        self.settle()
         with self._lock:
             if self._held[file_id] > 0:
                 self._doomed[file_id] = (name, before)

@@ -70,11 +70,11 @@ def remove_leftovers(catalog: Catalog, file_mode: int, deferred: Callable[[], se
     with catalog.gate.exclusive() as free:
         if not free:
             return False
-        _scan(catalog, file_mode, set() if deferred is None else deferred())
+        _scan(catalog, file_mode, deferred or set)
     return True
 
 
-def _scan(catalog: Catalog, file_mode: int, deferred: set[str]) -> None:
+def _scan(catalog: Catalog, file_mode: int, deferred: Callable[[], set[str]]) -> None:
     # no writer is between creating a file and committing it: every file is listed in
     # the index as it is now (the catalog reloads if another process committed since it
     # loaded) or is a leftover
@@ -87,9 +87,10 @@ def _scan(catalog: Catalog, file_mode: int, deferred: set[str]) -> None:
     foreign: list[str] = []
     orphans: list[str] = []
     if rest:
-        with catalog.lock:
+        with catalog.lock:  # one view: a file leaves the records and joins the deferred ones under this lock
             known = catalog.records.names()
             odd = catalog.records.odd_names()
+            waiting = deferred()
         for name in rest:
             if name in known and name not in odd and name.endswith(_SUFFIXES):
                 continue  # an indexed chunk file (one replaced by something else: quarantined when read)
@@ -110,7 +111,7 @@ def _scan(catalog: Catalog, file_mode: int, deferred: set[str]) -> None:
             "a store there. Move them away or choose another store directory."
         )
     for name in orphans:
-        if name in deferred:
+        if name in waiting:
             continue  # left the index; unlinked when the last lease on it goes
         if not name.endswith(".tmp") and catalog.index.has_file(name):
             log.warning("%s is in the index but not in this store's view of it; keeping it", name)

@@ -28,6 +28,7 @@ from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
 from ..storage import FORMATS
 from ..storage.base import PROBE
+from .binding import check_model_record
 from .catalog import CHUNK_DIR, Catalog
 from .chunkfiles import FILE_NAME
 from .directory import dir_mode, ensure_dir
@@ -69,6 +70,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
             old = Index(path / "index.sqlite", read_only=True)
             try:
                 model, probe = old.get_json("model"), old.get_json("probe")
+                check_model_record(old, model)  # a damaged record is not used: the headers say
             finally:
                 old.close()
         except ImpressError:  # a damaged index: the files' headers say what it held
@@ -105,6 +107,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
             p.unlink()
     index = Index(tmp, file_mode=file_mode)
     index.get_or_set_json("model", model)
+    check_model_record(index, model)  # (records its checksum)
     index.get_or_set_json("probe", probe)
     catalog = Catalog(path, index, _row_bytes(model, probe), lambda ids, records: None)
     indexed = 0

@@ -45,7 +45,7 @@ from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
 from .catalog import CHUNK_DIR, Catalog
-from .chunkfiles import check_match
+from .chunkfiles import check_match, check_tables
 from .directory import prepare
 from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
@@ -250,8 +250,9 @@ class ImpressStore:
             raise failure
 
     def flush(self) -> None:
-        """Block until every prompt handed to `put_async` is on disk and indexed, then
-        save the statistics of the blocks read since the last save."""
+        """Wait until every prompt handed to `put_async` is written or dropped (a write the
+        disk or index refused is counted in ``stats()["write_failures"]`` and logged, not
+        raised), then save the statistics of the blocks read since the last save."""
         self._writer.flush()
         self._leases.unlinker.drain()
         self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
@@ -263,11 +264,8 @@ class ImpressStore:
 
     # -- lookups ---------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
-        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens).
-
-        The matched nodes are safe from disk eviction for `MATCH_GRACE_S` seconds of the
-        store's clock; take a `lease` to keep them for longer.
-        """
+        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens). Its nodes are safe
+        from disk eviction for `MATCH_GRACE_S` seconds of the store's clock (a `lease` keeps them longer)."""
         self._check_open()
         self.activity.touch()
         arr = as_tokens(tokens)
@@ -278,7 +276,9 @@ class ImpressStore:
                 bad = check_match(self._catalog.records, arr, m)
                 if bad is None:
                     self._leases.note(m)
-                    return m
+            bad = bad or check_tables(self._catalog.open_file, m)  # (a file's record read as its header says)
+            if bad is None:
+                return m
             self.quarantine(*bad)
         raise StoreFormatError(f"the index of {self.path} keeps contradicting its chunk files; run `impress-cache verify --repair`")
 
@@ -372,7 +372,8 @@ class ImpressStore:
         return self._writer.submit(tokens, keys, values, valid_from)
 
     def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Store a prompt's K/V and wait until it is on disk and indexed."""
+        """`put_async` and wait for the write: on return the prompt is on disk and indexed,
+        unless it was stored already or the write was refused (see `flush`)."""
         self.put_async(tokens, keys, values).result()
 
     def _written(self, file_id: int, blocks: int, leaf: Any, push: bool = True) -> None:

@@ -30,6 +30,8 @@ import torch
 from .. import probe as probe_codec
 from ..config import ImpressConfig
 from ..errors import ImpressError, StoreLimitError
+from ..index.guard import NO_ROOM, WAY_OUT, room_left
+from ..storage.reader import TRANSIENT
 from ..index.radix import RadixNode, as_tokens
 from ..index.sqlite import NewFile
 from ..model_info import ModelSpec
@@ -121,7 +123,14 @@ class PromptWriter:
 
     def _try_scan(self) -> None:
         scan, self._scan = self._scan, None
-        if scan is not None and not scan():
+        try:
+            done = scan is None or scan()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT or isinstance(exc, ImpressError):
+                raise
+            log.debug("removing crash leftovers waits (%s); tried again before the next write", exc)
+            done = False  # out of descriptors or memory for a moment: not a reason to fail
+        if not done:
             self._scan = scan
 
     def submit_job(self, fn: Callable[[], Any]) -> Future[Any]:
@@ -178,9 +187,11 @@ class PromptWriter:
             self.counters.write_failures += 1
             if not self._warned:
                 self._warned = True
+                no_room = isinstance(exc, OSError) and not isinstance(exc, ImpressError) and exc.errno in NO_ROOM
                 log.warning(
                     "storing a prompt of %d tokens failed, so it is not stored; the store is unchanged and "
-                    "keeps serving (later failures are logged at debug level): %s", len(tokens), exc,
+                    "keeps serving (later failures are logged at debug level): %s%s", len(tokens), exc,
+                    room_left(self._catalog.chunks) + WAY_OUT if no_room else "",
                 )
             else:
                 log.debug("storing a prompt of %d tokens failed: %s", len(tokens), exc)
@@ -199,8 +210,7 @@ class PromptWriter:
             log.debug("not storing a prompt of %d tokens: %d of them are stored, %d needed", len(tokens), m, valid_from)
             return
         if m == len(tokens):
-            catalog.commit_prompt(tokens, m, None)
-            return
+            return  # stored already: nothing to write, no transaction
         with catalog.gate.creating():  # (the leftover scan waits)
             new_file, final = self._write_file(tokens, m, keys, values)
             # raises only when nothing was committed: a failure after the commit is handled

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 BAD_COOLDOWN_S = 60.0
 #: seconds lookups are skipped after one failed on an unreachable or slow server
 DOWN_BACKOFF_S = 10.0
+#: seconds a remote found failing (`RemoteTier.check`) is left alone before it is checked again
+RECHECK_S = 60.0
 #: bytes asked for first when an object's header is fetched
 HEADER_GUESS = 64 * 1024
 
@@ -106,6 +108,13 @@ class RemoteTier:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-upload")
         self._pending: list[Future[None]] = []
         self._pending_lock = threading.Lock()
+        #: ``"unchecked"``, ``"ok"`` or what failed (`check`), shown in ``stats()["remote"]``
+        self.state = "unchecked"
+        self._failing_until = 0.0
+        # checked once at open, on the upload thread (opening does not wait for the network):
+        # uploads queued behind it see the answer
+        with self._pending_lock:
+            self._pending.append(self._pool.submit(self.check))
 
     # -- faults ----------------------------------------------------------------------
     def _fetched(self, ranges: int, nbytes: int) -> None:
@@ -138,6 +147,35 @@ class RemoteTier:
             log.warning("remote tier %s: %s (recomputing; further such messages at debug level)", kind, exc)
         else:
             log.debug("remote tier %s: %s", kind, exc)
+
+    def check(self) -> bool:
+        """Ask the remote whether it can be used (`RemoteBackend.check`, one request).
+        When it cannot, one warning names the bucket, the endpoint and what failed, and
+        lookups and uploads leave it alone for `RECHECK_S` seconds (an upload is dropped
+        at once instead of retried for ``remote_retry_s``). Returns whether it is usable."""
+        problem = self.backend.check()
+        was = self.state
+        self.state = "ok" if problem is None else problem
+        if problem is None:
+            if was not in ("ok", "unchecked"):
+                log.warning("remote tier %s answers again", self._cfg.remote)
+            self._failing_until = 0.0
+            return True
+        self._failing_until = time.monotonic() + RECHECK_S
+        self._down_until = max(self._down_until, self._failing_until)
+        if problem != was:
+            log.warning(
+                "remote tier %s cannot be used: %s. The store works locally; prompts are not shared until the "
+                "remote answers (checked again every %.0f s).", self._cfg.remote, problem, RECHECK_S,
+            )
+        return False
+
+    def _usable(self) -> bool:
+        """Whether uploads should try the remote now (a failing one is checked again
+        every `RECHECK_S` seconds)."""
+        if self.state in ("ok", "unchecked"):
+            return True
+        return time.monotonic() >= self._failing_until and self.check()
 
     # -- lookups and imports ------------------------------------------------------------
     def pull(self, tokens: np.ndarray, limit: int | None) -> int:
@@ -287,12 +325,19 @@ class RemoteTier:
         deadline = time.monotonic() + self._cfg.remote_retry_s
         delay = 0.1
         while True:
+            if not self._usable():  # known to fail: not retried for remote_retry_s per prompt
+                self.counters.uploads_dropped += 1
+                log.debug("remote tier: not uploading a %d-token prompt: %s", len(job.tokens), self.state)
+                return
             try:
                 self._upload(job)
                 return
             except Exception as exc:  # noqa: BLE001 - an upload never fails the store
                 if isinstance(exc, RemoteError):
                     self.counters.remote_errors += 1
+                    if not self.check():  # the remote started failing: dropped now (check warned)
+                        self.counters.uploads_dropped += 1
+                        return
                 if time.monotonic() + delay > deadline or self._stop.is_set():
                     self.counters.uploads_dropped += 1
                     log.warning(
@@ -420,6 +465,6 @@ class RemoteTier:
         self.files.close()
         self.backend.close()
 
-    def stats(self) -> dict[str, int]:
-        return asdict(self.counters)
+    def stats(self) -> dict[str, int | str]:
+        return {**asdict(self.counters), "state": self.state}
 

