@@ -88,6 +88,8 @@ def store_stats(path: Path) -> dict[str, Any]:
     reused = int((counts > 0).sum()) if len(cols) else 0
     return {
         "model": model,
+        # distinct stored prompts (a prompt stored twice counts once), and prompts stored in all
+        "prefixes": sum(n.terminal > 0 for n in nodes),
         "stored_prompts": sum(n.terminal for n in nodes),
         "nodes": len(nodes),
         "files": len(files),
@@ -144,8 +146,6 @@ def _budget_without_old(path: Path, cutoff: float) -> int | None:
     try:
         tree, files = index.load_tree()
         used = last_uses(index)
-        wal = index.wal_bytes()
-        disk = index.footprint() + sum(f.file_bytes for f in files.values())
     finally:
         index.close()
     nodes = [n for n in tree.nodes() if n.parent is not None]
@@ -157,13 +157,17 @@ def _budget_without_old(path: Path, cutoff: float) -> int | None:
             old.add(node.id)
         else:
             young_files.add(node.file_id)
-    freed = sum(f.file_bytes for fid, f in files.items() if fid not in young_files and
-                any(n.file_id == fid for n in nodes))
-    if not freed:
+    old_files = [f.file_bytes for f in files.values() if f.id in {n.file_id for n in nodes} - young_files]
+    if not old_files:
         return None
-    budget = disk - freed
-    for _ in range(4):  # the budget keeps room for the WAL (`wal_bound` of the budget)
-        budget = disk + max(0, wal_bound(budget) - wal) - freed
+    with ImpressStore(path, None, ImpressConfig(reorg_idle_ms=None)) as store:  # its own measure of its size
+        disk, wal = store.disk_bytes(), store.index.wal_bytes()
+    # the least recently used leaves go first: the budget stops once every old file is
+    # gone (the slack, less than any old file, absorbs rounding) and before a young one
+    slack = min(old_files) // 2
+    budget = disk - sum(old_files) + slack
+    for _ in range(8):  # the budget keeps room for the WAL (`wal_bound` of the budget)
+        budget = disk - sum(old_files) + max(0, wal_bound(budget) - wal) + slack
     return budget
 
 
