@@ -46,7 +46,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tenants.store(None)  # open (or create) the default store now: a bad store fails the start
+        store = tenants.store(None)  # open (or create) the default store now: a bad store fails the start
+        await asyncio.to_thread(worker.warm_up, store)  # before /health answers: the first request pays no set-up
         worker.start()
         log.info("serving %s from %s", loaded.model_id, store_root)
         yield

@@ -141,6 +141,17 @@ class InferenceWorker:
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad = config.pad_token_id if config.pad_token_id is not None else loaded.tokenizer.pad_token_id
 
+    def warm_up(self, store: Any) -> None:
+        """Two short generations, without a cache and with an `ImpressCache` of ``store``
+        that stores nothing (torch's first-call costs, the cache's hooks), so that the
+        first request's time to first token is like any other's. The prompt is padding
+        only: no stored prompt starts with it."""
+        ids = torch.full((1, 8), self.pad if self.pad is not None else 0, dtype=torch.long, device=store.device)
+        kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 2, "do_sample": False, "pad_token_id": self.pad}
+        with torch.no_grad():
+            self.loaded.model.generate(ids, **kwargs)
+            self.loaded.model.generate(ids, **kwargs, **{CACHE_KWARG: ImpressCache(store, store_prompt=False)})
+
     def start(self) -> InferenceWorker:
         self._thread.start()
         return self
@@ -172,6 +183,7 @@ class InferenceWorker:
                 return
             if job.cancelled.is_set():
                 continue
+            started = time.perf_counter()
             try:
                 outcome, store, stats = self._run(job)
             except Exception as exc:  # noqa: BLE001 - reported to the request, the thread goes on
@@ -179,10 +191,16 @@ class InferenceWorker:
                 job.emit(("error", exc))
                 continue
             job.emit(("done", outcome))
+            done = time.perf_counter()
             try:  # off the response's path: before the next request, so it matches this one's prompt
                 store.flush()
             except Exception:  # noqa: BLE001
                 log.exception("flushing the store at %s failed", store.path)
+            log.info(
+                "request: %d prompt tokens (%d cached), %d generated; waited %.3f s, first token %.3f s, "
+                "generation %.3f s, flush %.3f s", outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens,
+                started - job.arrived, outcome.ttft or -1.0, done - started, time.perf_counter() - done,
+            )
             self.metrics.observe(stats, outcome.prompt_tokens, outcome.completion_tokens, outcome.ttft,
                                  time.perf_counter() - job.arrived)
             name = str(tenant_dir(self.tenants.root, job.salt).relative_to(self.tenants.root))
