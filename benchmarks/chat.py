@@ -190,7 +190,8 @@ def library_ttft(prompts: list[list[dict]], store_dir: Path, path: Path) -> list
                            **{CACHE_KWARG: cache})
             store.flush()
             rows.append({"turn": i + 1, "ttft": clock.first - t0, "prompt_tokens": ids.shape[1],
-                         "cached_tokens": cache.stats.matched_tokens})
+                         "cached_tokens": cache.stats.matched_tokens, "load_seconds": cache.stats.load_seconds,
+                         "io_wait_seconds": cache.stats.io_wait_seconds, "prefill_seconds": cache.stats.prefill_seconds})
             print(f"  library turn {i + 1}: ttft {rows[-1]['ttft']:.2f} s, cached {rows[-1]['cached_tokens']}", flush=True)
     return rows
 

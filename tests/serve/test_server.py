@@ -72,6 +72,7 @@ def test_streaming_gives_the_same_text_as_one_response(client, server, salt):
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
     assert "".join(pieces) == whole.choices[0].message.content
+    assert sum(1 for p in pieces if p) > 1  # text came in pieces, token by token, not as one block at the end
     assert finish == whole.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1

@@ -197,9 +197,11 @@ class InferenceWorker:
             except Exception:  # noqa: BLE001
                 log.exception("flushing the store at %s failed", store.path)
             log.info(
-                "request: %d prompt tokens (%d cached), %d generated; waited %.3f s, first token %.3f s, "
-                "generation %.3f s, flush %.3f s", outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens,
-                started - job.arrived, outcome.ttft or -1.0, done - started, time.perf_counter() - done,
+                "request: %d prompt tokens (%d cached), %d generated; waited %.3f s, first token %.3f s "
+                "(cache load %.3f s, I/O wait %.3f s, prefill %.3f s), generation %.3f s, flush %.3f s",
+                outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens, started - job.arrived,
+                outcome.ttft or -1.0, stats.load_seconds, stats.io_wait_seconds, stats.prefill_seconds, done - started,
+                time.perf_counter() - done,
             )
             self.metrics.observe(stats, outcome.prompt_tokens, outcome.completion_tokens, outcome.ttft,
                                  time.perf_counter() - job.arrived)
