@@ -182,3 +182,30 @@ def test_prune_while_the_server_uses_the_store(client, server, salt, capsys):
     after = chat(client, server, conversation("Prune?"), salt)  # the server saw the removal: recomputed, same answer
     assert cached(after) == 0 and after.choices[0].message.content == first.choices[0].message.content
     assert cached(chat(client, server, conversation("Prune?"), salt)) > 0  # and stores it again
+
+
+def test_a_client_that_leaves_mid_stream_does_not_disturb_the_server(client, server, salt):
+    stream = chat(client, server, conversation("Leave?"), salt, max_tokens=200, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()  # the connection goes away after the first piece of text
+    after = chat(client, server, conversation("Leave?"), salt, max_tokens=8)
+    fresh = chat(client, server, conversation("Leave?"), salt + "-fresh", max_tokens=8)
+    assert after.choices[0].message.content == fresh.choices[0].message.content
+    assert http_json(server.url + "/health")[0] == 200
+
+
+def test_stats_of_the_servers_root_names_every_tenant_store_and_the_hit_rates(client, server, salt, capsys):
+    from impress_cache.cli import main
+
+    chat(client, server, conversation("Stats?"), salt)
+    chat(client, server, conversation("Stats?"), salt)
+    capsys.readouterr()
+    assert main(["stats", str(server.root)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "default" in out["stores"] and any(name.startswith("tenants/") for name in out["stores"])
+    assert all(s["model"]["model_type"] == "llama" for s in out["stores"].values())
+    serving = out["serving"]
+    assert serving["requests"] >= 2 and 0 < serving["token_hit_rate"] < 1
+    assert salt not in json.dumps(out)
