@@ -36,7 +36,7 @@ setup_venv() {  # DIR TRANSFORMERS_VERSION EXTRAS
     echo "$want" > "$dir/.setup-done"
 }
 
-setup_venv .venv "$NEWEST" model,test,docs,plot,remote
+setup_venv .venv "$NEWEST" model,test,docs,plot,remote,serve
 setup_venv .venv523 "$OLDEST" model,test,remote
 for dir in .venv .venv523; do
     "$dir/bin/python" -c "import sys; from importlib.metadata import version as v; print(sys.argv[1], '| python', sys.version.split()[0], '| torch', v('torch'), '| transformers', v('transformers'), '| impress-cache', v('impress-cache'))" "$dir"

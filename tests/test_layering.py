@@ -2,7 +2,9 @@
 
 Lower rooms never import upper ones: the tier package needs neither torch nor the rest of
 the store; storage and index know nothing of the store; the store never imports the
-selection logic or the transformers glue; only ``hf/`` imports transformers.
+selection logic or the transformers glue; only ``hf/`` (and the tools and the server)
+import transformers. The HTTP server (``serve/``) uses only the public API and is never
+imported by the library (the CLI's ``serve`` command starts it).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def test_only_hf_and_the_tools_import_transformers():
     bad = [
         str(p.relative_to(PKG))
         for p in PKG.rglob("*.py")
-        if p.relative_to(PKG).parts[0] not in ("hf", "tools")
+        if p.relative_to(PKG).parts[0] not in ("hf", "tools", "serve")
         and any(n == "transformers" or n.startswith("transformers.") for n in _imports(p))
     ]
     assert not bad
@@ -85,3 +87,23 @@ def test_no_module_over_600_lines_and_no_class_over_450():
         if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 470
     ]
     assert not long_modules and not long_classes, (long_modules, long_classes)
+
+
+#: what serve/ may import of the package: the public API, and the name transformers gives the cache argument
+SERVE_MAY_IMPORT = ("impress_cache", "impress_cache.hf.compat", "impress_cache.hf.compat.CACHE_KWARG")
+
+
+def test_the_server_uses_only_the_public_api_and_the_library_never_imports_it():
+    bad = []
+    for path in _modules("serve"):
+        for name in _imports(path):
+            public = name in SERVE_MAY_IMPORT or name.startswith("impress_cache.serve") or (
+                name.startswith("impress_cache.") and name.count(".") == 1 and name.split(".")[1][0].isupper())
+            if name.startswith("impress_cache") and not public:
+                bad.append(f"{path.relative_to(PKG)} imports {name}")
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "serve" or rel == Path("operate.py"):  # (operate: the CLI's serve command, imported lazily)
+            continue
+        bad += [f"{rel} imports {n}" for n in _imports(path) if n == "impress_cache.serve" or n.startswith("impress_cache.serve.")]
+    assert not bad, "\n".join(bad)

@@ -4,6 +4,9 @@
     impress-cache verify DIR    # read every block and check its CRC-32
     impress-cache verify --repair DIR   # rebuild the index from the chunk files' headers
     impress-cache reorg DIR     # rewrite nodes in the order their importance statistics call for
+    impress-cache stats DIR     # prefixes, bytes, reuse and the model record (a store or a server's root)
+    impress-cache prune DIR --to SIZE | --older-than AGE   # the disk budget, applied now
+    impress-cache serve MODEL --store DIR   # an OpenAI-compatible server (docs/serving.md)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .errors import CorruptBlockError
 from .index.sqlite import Index
 from .storage import KV, PROBE, BlockReader, BlockTable, FileBlocks, file_seed
 from .store.catalog import CHUNK_DIR
+from .operate import OPERATOR_COMMANDS, add_operator_commands
 from .store.store import INDEX_NAME
 
 
@@ -140,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens, help="rows per block of the rewritten files")
     r.add_argument("--min-requests", type=int, default=defaults.reorg_min_requests, help="new sparse requests a node needs")
     r.add_argument("--min-gain", type=float, default=defaults.reorg_min_gain, help="fewer blocks the top rows must need")
+    add_operator_commands(sub)
     args = p.parse_args(argv)
+    if args.cmd in OPERATOR_COMMANDS:
+        return OPERATOR_COMMANDS[args.cmd](args)
     if args.cmd == "info":
         print(json.dumps(info(args.store), indent=2))
         return 0
