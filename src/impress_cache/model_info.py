@@ -166,7 +166,9 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
     """Every layer of ``model`` as transformers caches it (one forward of two tokens).
 
     Raises `UnsupportedModelError`, naming the layer, its kind and the model, for a layer
-    whose cache this library cannot serve exactly (a recurrent state, an indexer).
+    whose cache this library cannot serve exactly (an indexer, a state beside
+    sliding-window K/V), and for a model whose cache is not one layer per model layer
+    (a model with a cache class of its own).
     """
     text = text_config(model)
     name = f"{text.model_type} ({type(model).__name__})"
@@ -185,6 +187,12 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
     cache_layers = getattr(cache, "layers", None)
     if cache_layers is None:
         raise UnsupportedModelError(f"{name} returned no layered cache from a forward with use_cache=True")
+    layers = int(getattr(text, "num_hidden_layers", len(cache_layers)))
+    if type(cache).__name__ != "DynamicCache" or len(cache_layers) != layers:
+        raise UnsupportedModelError(
+            f"{name} keeps its cache in a {type(cache).__name__} of {len(cache_layers)} layers for its {layers} "
+            "layers; impress_cache serves models whose cache is transformers' DynamicCache, one layer per model layer"
+        )
     types = list(getattr(text, "layer_types", None) or [])
     infos: list[LayerInfo] = []
     for i, layer in enumerate(cache_layers):
@@ -205,7 +213,8 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         hybrid = cls == "LinearAttentionAndFullAttentionLayer"
         if cls not in ("DynamicLayer", "DynamicSlidingWindowLayer") and not hybrid or not isinstance(keys, torch.Tensor) or keys.dim() != 4:
-            raise UnsupportedModelError(f"{where} is not a kind of layer impress_cache serves (full, sliding, chunked or shared attention)")
+            raise UnsupportedModelError(f"{where} is not a kind of layer impress_cache serves (full, sliding, chunked or shared attention, "
+                "a recurrent state, or a state with full attention)")
         assert isinstance(values, torch.Tensor)
         window = int(getattr(layer, "sliding_window", 0) or 0) if getattr(layer, "is_sliding", False) else 0
         infos.append(LayerInfo(

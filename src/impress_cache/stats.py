@@ -69,6 +69,9 @@ class RequestStats:
     load_seconds: float = 0.0
     quarantined_files: int = 0
     stored_prompts: int = 0
+    #: rows whose prompt and answer (the tokens fed back while decoding) were handed to
+    #: the writer when generate returned (see ``ImpressCache(store_prompt=)``)
+    stored_answers: int = 0
     loaded_tokens: int = 0
     bytes_read_probe: int = 0
     bytes_read_rows: int = 0

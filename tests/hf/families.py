@@ -52,7 +52,11 @@ STATE_FAMILIES = {
 }
 #: layers the cache cannot serve exactly (an indexer choosing the rows each query sees):
 #: refused, naming the layer
-REFUSED_FAMILIES = {"glm_moe_dsa": dict(_MLA, q_lora_rank=32, index_n_heads=2, index_head_dim=16)}
+REFUSED_FAMILIES = {
+    "glm_moe_dsa": dict(_MLA, q_lora_rank=32, index_n_heads=2, index_head_dim=16),
+    # a cache class of its own, whose trailing linear layers have no DynamicCache layer
+    "minimax": dict(_MOE, layer_types=["full_attention", "full_attention", "linear_attention", "linear_attention"]),
+}
 
 
 def family_model(name: str, attn: str | None = None, **overrides) -> torch.nn.Module:

@@ -60,6 +60,15 @@ class ImpressCache(Cache):
         Required when the batch is padded.
     store_prompt:
         Write the prompt's K/V to the store once it has been computed.
+    store_answer:
+        When ``generate`` returns, also write the K/V of the tokens it fed back while
+        decoding (the answer but its last token), so that the next turn of a
+        conversation (prompt, answer, new message) matches through the answer. Only K/V
+        equal to dense reuse's are stored: a sparse request's answer only after
+        ``decode="full"`` restored the prefix and recomputed the new tokens
+        (``refresh_new_tokens``); never with beams or repeated rows. It needs the
+        ``generate`` wrapper: a model's very first ``generate`` call, looked up before
+        the first ImpressCache installed the hooks, stores only its prompt.
 
     Notes
     -----
@@ -76,6 +85,7 @@ class ImpressCache(Cache):
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         store_prompt: bool = True,
+        store_answer: bool = False,
     ) -> None:
         if not isinstance(store, ImpressStore):
             raise TypeError(f"store must be an ImpressStore, got {type(store).__name__}")
@@ -88,6 +98,7 @@ class ImpressCache(Cache):
             raise CacheUsageError("attention_mask without input_ids: pass both, or neither and let generate bind the cache")
         self.store = store
         self.store_prompt = store_prompt
+        self.store_answer = store_answer
         self._request: PrefixRequest | None = None
         self._guard: PromptGuard | None = None
         self._written = False
@@ -98,6 +109,10 @@ class ImpressCache(Cache):
         self._guard_pending = False
         #: a hybrid model's states go to a checkpoint after the prefill
         self._checkpoint_due = False
+        #: the tokens fed back while decoding (``[batch, 1]`` each), and whether every
+        #: layer holds K/V equal to dense reuse's (what may be stored after generate)
+        self._fed: list[torch.Tensor] = []
+        self._exact = True
         #: forwards after the prefill, and whether this one re-selects (``keep_reselect``)
         self._decode_steps = 0
         self._reselect_now = False
@@ -129,6 +144,7 @@ class ImpressCache(Cache):
         if req.states is not None and req.reused:
             restore_states(self.store.spec, self.layers, req.states, self.store.device)
         self._checkpoint_due = self.store.states is not None and self.store_prompt and req.sparse is None
+        self._exact = req.sparse is None
         self._request = req
         self._guard = PromptGuard(req)
 
@@ -185,14 +201,23 @@ class ImpressCache(Cache):
                 "this ImpressCache already served a request; build a new ImpressCache for every generate call"
             )
 
-    def end_generate(self) -> None:
-        """``generate`` returned (or failed): a keep-mode request that re-selects rows while
-        decoding releases its lease and what it kept for that (a cache that ``generate``
-        never saw releases them when it is garbage-collected)."""
+    def end_generate(self, completed: bool = True) -> None:
+        """``generate`` returned (``completed``) or failed: a keep-mode request that
+        re-selects rows while decoding releases its lease and what it kept for that (a
+        cache that ``generate`` never saw releases them when it is garbage-collected);
+        a completed one stores its answer's K/V (``store_answer``)."""
         req = self._request
         if req is not None and req.sparse is not None and req.sparse.reselector is not None:
             req.end_decoding()
         self._reselect_now = False
+        if (
+            completed and req is not None and self.store_answer and self._exact and self._fed
+            and not req.full_pending and torch.equal(req.rows, torch.arange(len(req.rows)))
+        ):
+            fed, self._fed = self._fed, []
+            one_row = req.ids.shape[0] == 1 and bool(req.mask.all())
+            states = state_tensors(self.store.spec, self.layers) if self.store.states is not None and one_row else None
+            req.store_sequence([self.layers[m] for m in self.store.spec.stored_layers], fed, states)
 
     def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """``generate`` shows the whole prompt (the forward only sees the tokens after the
@@ -213,6 +238,10 @@ class ImpressCache(Cache):
             req.prefill_started = time.perf_counter()
         if self._written:
             self._decode_steps += 1
+            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1] == 1:
+                self._fed.append(input_ids.detach().to("cpu"))
+            else:
+                self._exact = False  # not one token per step: what the layers hold is not known here
             every = self.store.config.keep_reselect
             reselector = req.sparse.reselector if req.sparse is not None else None
             self._reselect_now = reselector is not None and self._decode_steps % every == 0
@@ -226,6 +255,7 @@ class ImpressCache(Cache):
         ``refresh``, recompute the new tokens against it. Returns the recomputed logits
         after the prompt (``None`` without ``refresh``)."""
         keys, values = req.take_full_prefix(before_first_token=guard)
+        self._exact = refresh  # without the refresh, the new tokens' K/V stay approximate
         rows = self._restore_rows
         self._restore_rows = None
         # the whole prefix for the sparse layers; every other stored layer keeps its rows

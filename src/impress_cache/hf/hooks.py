@@ -110,9 +110,12 @@ def _generate_wrapper(model: torch.nn.Module, original: Callable[..., Any], cach
         check_model(model, cache)
         _begin_generate(model, cache, args, kwargs)
         try:
-            return original(*args, **kwargs)
-        finally:
-            cache.end_generate()
+            out = original(*args, **kwargs)
+        except BaseException:
+            cache.end_generate(completed=False)
+            raise
+        cache.end_generate()
+        return out
 
     return generate
 

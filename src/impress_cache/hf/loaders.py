@@ -178,8 +178,8 @@ class DenseLoader:
         return buf
 
     def layer(self, layer: int) -> torch.Tensor:
-        """The layer's buffer (``[2, batch, kv_heads, reused + room, head_dim]``, prefix
-        rows filled); raises the error of a failed read."""
+        """The layer's buffer (``[2, batch, kv_heads, held + room, head_dim]``, its last
+        ``held`` prefix rows filled); raises the error of a failed read."""
         buf, waited = self._bg.get(layer)
         self._stats.io_wait_seconds += waited
         return buf

@@ -171,8 +171,9 @@ class PrefixRequest:
     def _checkpoint(self, rows: list[torch.Tensor], pads: list[int], matches: list[Match]) -> int:
         """A hybrid model's request reuses a prefix only up to the largest stored
         checkpoint of its states inside the match (candidates: the node boundaries of the
-        match, where stored prompts end); one unpadded row only (a padded row's states
-        are not those of its tokens alone)."""
+        match, where stored prompts end); one unpadded row only (kept conservative:
+        checkpoints are taken and restored for single unpadded rows). The checkpoint's
+        bytes count as read from disk."""
         assert self.store.states is not None
         if len(rows) != 1 or pads[0] or not matches[0].length:
             return 0
@@ -181,6 +182,8 @@ class PrefixRequest:
             at += seg.length
             ends.append(at)
         p, self.states = self.store.states.best(rows[0].numpy(), ends)
+        if self.states is not None:
+            self.stats.bytes_read_disk += sum(t.numel() * t.element_size() for t in self.states.values())
         return p
 
     def _rows_per_layer(self, reused: int) -> int:
@@ -243,6 +246,19 @@ class PrefixRequest:
         buf[1, :, :, :held] = v[:, :, self.reused - held :]
         self.stats.recomputed_layers += 1
         return buf
+
+    def store_sequence(self, layers: list[Any], fed: list[torch.Tensor], states: dict[str, torch.Tensor] | None) -> None:
+        """After ``generate``: store the prompt and the tokens fed back while decoding
+        (``fed``, ``[batch, 1]`` each), whose K/V the cache ``layers`` hold, so that the
+        next turn of a conversation matches through this answer; with ``states`` (a hybrid
+        model's, batch of one), a checkpoint after them too."""
+        ids = torch.cat([self.ids, *[f.to(self.ids.device) for f in fed]], dim=1)
+        if any(la.get_seq_length() != ids.shape[1] for la in layers):
+            return  # the cache holds something else (a crop, a rollback): store nothing
+        mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], len(fed))], dim=1)
+        self._store_prompt(layers, ids, mask, answers=True)
+        if states is not None and self.store.states is not None:
+            self.store.states.put_async(ids[0].tolist(), states)
 
     def finish_prefill(self, layers: list[Any], store_prompt: bool) -> None:
         """After the last layer: final statistics; with ``decode="full"`` start reading the
@@ -337,18 +353,23 @@ class PrefixRequest:
         self.ids = self.ids[idx]
         self.mask = self.mask[idx]
 
-    def _store_prompt(self, layers: list[Any]) -> None:
+    def _store_prompt(
+        self, layers: list[Any], ids: torch.Tensor | None = None, mask: torch.Tensor | None = None, answers: bool = False
+    ) -> None:
         """Hand every distinct row's K/V (per stored layer, its cache layer: the rows
-        after the ones it hides) to the store's background writer. Rows a layer hides (a
-        window's) go as zeros, with ``valid_from`` telling the writer to store nothing
-        unless everything before them is still stored."""
-        seq = self.ids.shape[1]
-        pads = self.pads
+        after the ones it hides) to the store's background writer: of the prompt, or of
+        ``ids`` (the prompt and the tokens fed back while decoding, left-padded as
+        ``mask`` says). Rows a layer hides (a window's) go as zeros, with ``valid_from``
+        telling the writer to store nothing unless everything before them is still stored."""
+        ids = self.ids if ids is None else ids
+        mask = self.mask if mask is None else mask
+        seq = ids.shape[1]
+        pads = (seq - mask.sum(dim=1)).tolist()
         spec = self.store.spec
         hidden = max((la.hidden for la in layers), default=0)
         seen: set[tuple[int, ...]] = set()
-        for i in range(self.ids.shape[0]):
-            toks = tuple(self.ids[i, pads[i] :].tolist())
+        for i in range(ids.shape[0]):
+            toks = tuple(ids[i, pads[i] :].tolist())
             if toks in seen:
                 continue
             seen.add(toks)
@@ -365,7 +386,10 @@ class PrefixRequest:
             except (StoreFormatError, StoreIOError) as exc:
                 log.warning("the prompt is not stored: %s", exc)
                 continue
-            self.stats.stored_prompts += 1
+            if answers:
+                self.stats.stored_answers += 1
+            else:
+                self.stats.stored_prompts += 1
 
 
 def cut(match: Match, n: int) -> list[Segment]:

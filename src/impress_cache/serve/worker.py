@@ -211,7 +211,7 @@ class InferenceWorker:
     def _run(self, job: Job) -> tuple[Outcome, Any, Any]:
         model, tokenizer = self.loaded.model, self.loaded.tokenizer
         store = self.tenants.store(job.salt)
-        cache = ImpressCache(store)
+        cache = ImpressCache(store, store_answer=True)  # the next turn matches through this answer
         streamer = DeltaStreamer(tokenizer, job)
         ids = torch.tensor([job.ids], dtype=torch.long, device=store.device)
         kwargs: dict[str, Any] = {

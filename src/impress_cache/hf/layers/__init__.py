@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import DummyLayer
 
 from ...model_info import LayerInfo, ModelSpec
 from .full import ImpressLayer
 from .hybrid import ImpressHybridLayer
+from .state import ImpressStateLayer
 from .window import ImpressWindowLayer
 
 LAYER_CLASSES: dict[str, type] = {
-    "full": ImpressLayer, "window": ImpressWindowLayer, "shared": DummyLayer, "state": LinearAttentionLayer,
+    "full": ImpressLayer, "window": ImpressWindowLayer, "shared": DummyLayer, "state": ImpressStateLayer,
     "hybrid": ImpressHybridLayer,
 }
 
@@ -40,9 +41,10 @@ def make_layers(spec: ModelSpec) -> list[Any]:
     return out
 
 
-def state_tensors(spec: ModelSpec, layers: list[Any], row: int = 0) -> dict[str, torch.Tensor]:
-    """Copies of batch row ``row``'s conv and recurrent states of every state layer
+def state_tensors(spec: ModelSpec, layers: list[Any]) -> dict[str, torch.Tensor]:
+    """Copies of the (one-row) batch's conv and recurrent states of every state layer
     (``L{layer}.conv{i}`` / ``L{layer}.rec{i}``), for a checkpoint."""
+    row = 0
     out: dict[str, torch.Tensor] = {}
     for m in spec.state_layers:
         layer = layers[m]
@@ -85,4 +87,4 @@ def to_stored(spec: ModelSpec, info: LayerInfo, keys: torch.Tensor, values: torc
     return out[0], out[1]
 
 
-__all__ = ["LAYER_CLASSES", "ImpressHybridLayer", "ImpressLayer", "ImpressWindowLayer", "make_layers", "restore_states", "state_tensors", "to_stored"]
+__all__ = ["LAYER_CLASSES", "ImpressHybridLayer", "ImpressLayer", "ImpressStateLayer", "ImpressWindowLayer", "make_layers", "restore_states", "state_tensors", "to_stored"]

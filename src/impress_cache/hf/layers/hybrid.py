@@ -1,7 +1,7 @@
 """A layer that keeps a recurrent state and K/V in one (Falcon-H1's Mamba + attention).
 
 The K/V part is an `ImpressLayer` (stored rows first, then the new tokens); the state
-part is transformers' `LinearAttentionLayer`, restored from the store's checkpoint like a
+part is transformers' `LinearAttentionLayer` (`ImpressStateLayer`), restored from the store's checkpoint like a
 pure state layer. Built the way transformers builds its own
 `LinearAttentionAndFullAttentionLayer`: each call goes to the part it is meant for.
 """
@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import LinearAttentionLayer
-
 from ...model_info import LayerInfo
 from .full import ImpressLayer
+from .state import ImpressStateLayer as LinearAttentionLayer
 
 
 class ImpressHybridLayer(LinearAttentionLayer, ImpressLayer):
@@ -31,6 +30,14 @@ class ImpressHybridLayer(LinearAttentionLayer, ImpressLayer):
             ImpressLayer.lazy_initialization(self, *args)
         elif not args and kwargs:  # a conv or recurrent state
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        LinearAttentionLayer.batch_repeat_interleave(self, repeats)
+        ImpressLayer.batch_repeat_interleave(self, repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        LinearAttentionLayer.batch_select_indices(self, indices)
+        ImpressLayer.batch_select_indices(self, indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         LinearAttentionLayer.reorder_cache(self, beam_idx)
