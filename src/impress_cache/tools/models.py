@@ -38,15 +38,18 @@ def smollm2_path() -> Path:
 
 def load_smollm2(attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` of SmolLM2-135M-Instruct on the CPU (~15 s)."""
+    return load_gguf(smollm2_path(), SMOLLM2_FILE, attn, dtype)
+
+
+def load_gguf(folder: str | Path, name: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the GGUF file ``name`` in ``folder`` (weights de-quantised
+    to ``dtype``, evaluation mode; the tokenizer pads on the left)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    folder = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=SMOLLM2_FILE, dtype=dtype, attn_implementation=attn
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, attn_implementation=attn).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -91,16 +94,4 @@ def load_gemma3_270m(
     """Return ``(model, tokenizer)`` of Gemma 3 270M (base, no chat template) on the CPU
     (~40 s: the weights are dequantised). 18 layers, 5 sliding-window layers (window 512)
     per global one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    folder = gemma3_270m_path(cache_dir)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GEMMA3_FILE)
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=GEMMA3_FILE, dtype=dtype, attn_implementation=attn
-    ).eval()
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return model, tok
+    return load_gguf(gemma3_270m_path(cache_dir), GEMMA3_FILE, attn, dtype)
