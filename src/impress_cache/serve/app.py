@@ -104,7 +104,7 @@ def create_app(
             raise ApiError(400, f"{loaded.model_id} has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = worker.answers.tokenize(loaded.tokenizer, text, messages, req.cache_salt)
         return await _answer(req, ids, chat=True, prefix="")
 
     @app.post("/v1/completions")
