@@ -265,7 +265,7 @@ def run_server(kind: str, args: argparse.Namespace, doc: str, tok: Any, work: Pa
     log = work / f"{kind}.log"
     path = model_dir(work)
     if kind == "impress":
-        cmd, model = impress_serve_command(path, work / "impress-stores", port), path.name
+        cmd, model = impress_serve_command(path, work / "impress-stores", port, *IMPRESS_ARGS), path.name
         extra: dict | None = {}
     else:
         cmd, model, extra = transformers_command(path, port, kind == "transformers-cb"), str(path), None
@@ -380,6 +380,10 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: extra ``impress-cache serve`` arguments (``--answer-ids``)
+IMPRESS_ARGS: list[str] = []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=10)
@@ -395,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/chat.json"))
     p.add_argument("--work", type=Path, default=None, help="keep the stores and server logs here (default: a temporary directory)")
     p.add_argument("--report", type=Path, default=None, help="print the table of a result file and exit")
+    p.add_argument("--answer-ids", action="store_true", help="start impress-cache serve with --answer-ids")
     args = p.parse_args(argv)
+    IMPRESS_ARGS[:] = ["--answer-ids"] if args.answer_ids else []
     if args.report:
         res = json.loads(args.report.read_text())
         res["goals"] = goals(res)

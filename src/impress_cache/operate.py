@@ -194,7 +194,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ImpressConfig(important_ratio=args.important_ratio, disk_bytes=args.disk_bytes)
-    serve(args.model, args.store, args.host, args.port, config, args.model_id, args.max_open_stores)
+    serve(args.model, args.store, args.host, args.port, config, args.model_id, args.max_open_stores,
+          answer_ids=args.answer_ids)
     return 0
 
 
@@ -216,6 +217,9 @@ def add_operator_commands(sub: Any) -> None:
     sv.add_argument("--important-ratio", type=float, default=1.0, help="1.0 (default): exact reuse")
     sv.add_argument("--disk-bytes", type=parse_size, default=None, help="disk budget of each tenant's store")
     sv.add_argument("--max-open-stores", type=int, default=8, help="tenants' stores kept open at once")
+    sv.add_argument("--answer-ids", action="store_true",
+                    help="put recent answers' generated token ids back in place of their re-tokenized text in later chat "
+                         "prompts: more of each turn matches, but answers can differ from a server that tokenizes the text")
 
 
 #: subcommand -> handler

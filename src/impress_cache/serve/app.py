@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from impress_cache import ImpressConfig
 
+from .answers import AnswerMemory
 from .loading import LoadedModel
 from .metrics import Metrics
 from .schemas import ApiError, ChatRequest, CompletionRequest, ValidationError, describe, error_body
@@ -35,14 +36,18 @@ DEFAULT_MAX_TOKENS = 256
 
 def create_app(
     loaded: LoadedModel, store_root: str | Path, config: ImpressConfig | None = None, max_open_stores: int = 8,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS, answer_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``loaded`` with the stores under ``store_root`` (one per
-    tenant, `tenancy`). ``config`` defaults to exact reuse (``important_ratio=1.0``)."""
+    tenant, `tenancy`). ``config`` defaults to exact reuse (``important_ratio=1.0``).
+    ``answer_ids``: put recent answers' generated ids back in place of their re-tokenized
+    text in later chat prompts (`answers.AnswerMemory`): more of each next turn matches,
+    but the model then sees other token ids than a server that tokenizes the text, so
+    answers can differ from such a server's. Off by default."""
     config = config if config is not None else ImpressConfig(important_ratio=1.0)
     tenants = Tenants(store_root, loaded.model, config, max_open_stores)
     metrics = Metrics(tenants)
-    worker = InferenceWorker(loaded, tenants, metrics)
+    worker = InferenceWorker(loaded, tenants, metrics, AnswerMemory() if answer_ids else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,7 +109,10 @@ def create_app(
             raise ApiError(400, f"{loaded.model_id} has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = worker.answers.tokenize(loaded.tokenizer, text, messages, req.cache_salt)
+        if worker.answers is not None:
+            ids = worker.answers.tokenize(loaded.tokenizer, text, messages, req.cache_salt)
+        else:
+            ids = list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
         return await _answer(req, ids, chat=True, prefix="")
 
     @app.post("/v1/completions")

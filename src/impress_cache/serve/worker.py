@@ -132,11 +132,12 @@ class _StopWhen(StoppingCriteria):
 class InferenceWorker:
     """One thread that runs `Job`s from a queue."""
 
-    def __init__(self, loaded: LoadedModel, tenants: Tenants, metrics: Metrics) -> None:
+    def __init__(self, loaded: LoadedModel, tenants: Tenants, metrics: Metrics, answers: AnswerMemory | None = None) -> None:
         self.loaded, self.tenants, self.metrics = loaded, tenants, metrics
         self.totals = ServingTotals(tenants.root)
         #: recent answers' generated ids, put back in place of their text in later prompts
-        self.answers = AnswerMemory()
+        #: (``--answer-ids``; None: prompts are the tokenized text, as any server's)
+        self.answers = answers
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="impress-serve-inference", daemon=True)
         config = loaded.model.generation_config
@@ -232,7 +233,7 @@ class InferenceWorker:
         new = out[0, ids.shape[1]:].tolist()
         text, stopped = streamer.text()
         hit_eos = bool(new) and new[-1] in self.eos
-        if not stopped:  # (a stop string cuts the text inside the ids)
+        if self.answers is not None and not stopped:  # (a stop string cuts the text inside the ids)
             self.answers.remember(tokenizer, job.salt, text, new[:-1] if hit_eos else new)
         finish = "stop" if (stopped or hit_eos or job.cancelled.is_set()) else "length"
         ttft = streamer.first_token_at - job.arrived if streamer.first_token_at is not None else None
