@@ -180,3 +180,22 @@ def test_the_scans_lock_is_released_although_a_forked_child_shares_it(tmp_path):
         os.waitpid(pid, 0)
         os.close(r)
         os.close(w)
+
+
+def test_a_file_gone_since_the_listing_is_neither_foreign_nor_kept(tmp_path):
+    """A chunk file removed between the directory listing and its check (by a writer or
+    the budget of another process) must not make the store refuse to open as if a
+    foreign file were there."""
+    import os
+
+    from impress_cache.store.leftovers import _is_file
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "x.safetensors").write_bytes(b"")
+        os.symlink("x.safetensors", tmp_path / "link.safetensors")
+        assert _is_file(fd, "x.safetensors") is True
+        assert _is_file(fd, "link.safetensors") is False  # foreign: a link
+        assert _is_file(fd, "gone.safetensors") is None
+    finally:
+        os.close(fd)

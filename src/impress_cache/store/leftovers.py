@@ -96,6 +96,8 @@ def _scan(catalog: Catalog, file_mode: int, deferred: Callable[[], set[str]]) ->
                 continue  # an indexed chunk file (one replaced by something else: quarantined when read)
             ours = FILE_NAME.match(name) or (name.endswith(".tmp") and FILE_NAME.match(name[:-4]))
             regular = _is_file(catalog.chunks_fd, name)
+            if regular is None:
+                continue  # gone since the listing: nothing to keep or remove
             if ours and name in known and not regular:
                 continue  # an indexed file replaced by something else: quarantined when read
             if not ours or not regular:
@@ -137,9 +139,12 @@ def _has_own_header(catalog: Catalog, name: str) -> bool:
     return "impress_cache" in meta and meta.get("uuid") == name[:32]
 
 
-def _is_file(dir_fd: int, name: str) -> bool:
-    """Whether ``name`` in the directory is a regular file (not following a link)."""
+def _is_file(dir_fd: int, name: str) -> bool | None:
+    """Whether ``name`` in the directory is a regular file (not following a link); None
+    when it is gone since the directory was listed (removed by a writer or the budget)."""
     try:
         return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return None
     except OSError:
         return False
