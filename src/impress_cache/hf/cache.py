@@ -215,8 +215,7 @@ class ImpressCache(Cache):
             and not req.full_pending and torch.equal(req.rows, torch.arange(len(req.rows)))
         ):
             fed, self._fed = self._fed, []
-            one_row = req.ids.shape[0] == 1 and bool(req.mask.all())
-            states = state_tensors(self.store.spec, self.layers) if self.store.states is not None and one_row else None
+            states = state_tensors(self.store.spec, self.layers) if self.store.states is not None and req.one_unpadded_row else None
             req.store_sequence([self.layers[m] for m in self.store.spec.stored_layers], fed, states)
 
     def check_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
@@ -293,7 +292,7 @@ class ImpressCache(Cache):
         if self._checkpoint_due:  # the prefill's forward: the states after the whole prompt
             self._checkpoint_due = False
             req = self._request
-            if req is not None and req.ids.shape[0] == 1 and bool(req.mask.all()):
+            if req is not None and req.one_unpadded_row:
                 assert self.store.states is not None
                 self.store.states.put_async(req.ids[0].tolist(), state_tensors(self.store.spec, self.layers))
         if not self._guard_pending:

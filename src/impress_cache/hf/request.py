@@ -88,6 +88,12 @@ class PrefixRequest:
         self.stats.load_seconds = time.perf_counter() - t0
 
     @property
+    def one_unpadded_row(self) -> bool:
+        """One batch row without padding: the only requests whose recurrent states are
+        checkpointed or restored (a padded row's states were not measured equal)."""
+        return self.ids.shape[0] == 1 and bool(self.mask.all())
+
+    @property
     def pads(self) -> list[int]:
         """Left-padding columns of every row."""
         return (self.ids.shape[1] - self.mask.sum(dim=1)).tolist()
@@ -175,7 +181,7 @@ class PrefixRequest:
         checkpoints are taken and restored for single unpadded rows). The checkpoint's
         bytes count as read from disk."""
         assert self.store.states is not None
-        if len(rows) != 1 or pads[0] or not matches[0].length:
+        if not self.one_unpadded_row or not matches[0].length:
             return 0
         ends, at = [], 0
         for seg in matches[0].segments:
