@@ -94,9 +94,10 @@ OPEN_QUESTIONS = {
 #: the configurations compared with dense reuse (on top of the library's defaults)
 BEFORE = {"important_ratio": 0.25, "prefetch": True, "refresh_new_tokens": False, "guard_margin": 0.0}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "full": {},  # the library's defaults
+    "full": {},  # the library's defaults (important_ratio="auto": exact or sparse per request)
+    "sparse": {"important_ratio": 0.2},  # the defaults' sparse path, on every request
     "full-before": BEFORE,  # the defaults before issue 14
-    "full-refresh": {"guard_margin": 0.0},  # defaults without the guard
+    "full-refresh": {"important_ratio": 0.2, "guard_margin": 0.0},  # the sparse path without the guard
     "keep": {"decode": "keep", "important_ratio": 0.25},
     "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
     "keep-reselect1-d0": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1, "keep_reselect_decay": 0.0},
@@ -106,9 +107,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "h2o-keep": {"selection": "h2o", "decode": "keep", "important_ratio": 0.25},
     # the defaults with importance reordering between questions (what the background
     # reorganiser does when the store is idle), on a copy of the stored prefix
-    "full-reorg": {"reorganize": True},
+    "full-reorg": {"important_ratio": 0.2, "reorganize": True},
 }
-DEFAULT_VARIANTS = ("full", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
+DEFAULT_VARIANTS = ("full", "sparse", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
 #: the models: loader, how a prompt is framed (``chat``: the chat template; ``raw``: no
 #: template), and what the result file says
 MODELS: dict[str, dict[str, Any]] = {

@@ -64,7 +64,7 @@ def store_dense(path, model, doc: torch.Tensor, config=None, new_tokens=8) -> No
 
     config = config if config is not None else ImpressConfig(chunk_tokens=16, important_ratio=1.0)
     with ImpressStore(path, model, config) as store:
-        assert_same_as_uncached(model, store, doc, new_tokens=new_tokens)
+        assert_same_as_uncached(model, store, doc.to(model.device), new_tokens=new_tokens)
 
 
 def blockset_of(layout, units, keys: torch.Tensor, values: torch.Tensor) -> BlockSet:

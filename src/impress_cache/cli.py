@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--force", action="store_true", help="every node with statistics, whatever the expected gain")
     r.add_argument("--limit", type=int, default=None, help="rewrite at most this many nodes")
     defaults = ImpressConfig()
-    r.add_argument("--important-ratio", type=float, default=defaults.important_ratio, help="share of rows the gain is judged for")
+    r.add_argument("--important-ratio", type=float, default=defaults.sparse_ratio, help="share of rows the gain is judged for")
     r.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens, help="rows per block of the rewritten files")
     r.add_argument("--min-requests", type=int, default=defaults.reorg_min_requests, help="new sparse requests a node needs")
     r.add_argument("--min-gain", type=float, default=defaults.reorg_min_gain, help="fewer blocks the top rows must need")

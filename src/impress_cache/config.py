@@ -46,13 +46,22 @@ class ImpressConfig:
         divergence than 64 for the same bytes on SmolLM2 (docs: Sparse loading), at
         the price of more, smaller reads.
     important_ratio:
-        Share of a reused prefix whose K/V is loaded for the prefill of new tokens.
-        The default 0.2 (the paper uses 0.25) with the new tokens recomputed after the
-        prefill and the uncertainty guard kept greedy answers identical to dense
-        reuse's in the answers benchmark (``results/answers-20q.json``) while reading
-        0.32-0.43 of the prefix before the first token (0.27-0.32 where the guard did
-        not fire; docs: Sparse loading). ``1.0`` loads the whole prefix and
+        Share of a reused prefix whose K/V is loaded for the prefill of new tokens, or
+        ``"auto"`` (default): per request, exact reuse or sparse loading at
+        ``auto_ratio``, whichever the store's cost model predicts gives the first token
+        sooner (measured bandwidth of where the blocks are, this machine's selection and
+        compute cost, the prefix length; see docs: Time to first token). A fast local
+        disk, the page cache and the memory tiers get exact reuse; a slow disk or a
+        remote tier gets sparse loading. ``RequestStats.plan`` reports the choice. A
+        number keeps that ratio for every request: ``1.0`` loads the whole prefix and
         reproduces uncached generation exactly.
+    auto_ratio:
+        The ratio of sparse loading when ``important_ratio="auto"`` chooses it (and the
+        share of rows importance reordering packs for). The default 0.2 (the paper uses
+        0.25) with the new tokens recomputed after the prefill and the uncertainty guard
+        kept greedy answers identical to dense reuse's in the answers benchmark
+        (``results/answers-20q.json``) while reading 0.32-0.43 of the prefix before the
+        first token (docs: Sparse loading).
     probe_heads:
         Probe query heads per layer, taken from different KV groups. Their groups' KV
         heads are the probed ones: the store keeps a compact copy of those keys, and
@@ -209,7 +218,8 @@ class ImpressConfig:
     """
 
     chunk_tokens: int = 16
-    important_ratio: float = 0.2
+    important_ratio: float | str = "auto"
+    auto_ratio: float = 0.2
     probe_heads: int = 3
     probe_dtype: str = "int4"
     similarity_alpha: float = 0.6
@@ -249,7 +259,12 @@ class ImpressConfig:
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
-        check_unit("important_ratio", self.important_ratio, open_low=True)
+        if isinstance(self.important_ratio, str):
+            if self.important_ratio != "auto":
+                raise ConfigError(f'important_ratio must be "auto" or a number in (0, 1], got {self.important_ratio!r}')
+        else:
+            check_unit("important_ratio", self.important_ratio, open_low=True)
+        check_unit("auto_ratio", self.auto_ratio, open_low=True)
         check_int("probe_heads", self.probe_heads, 1, 1024)
         if not is_number(self.similarity_alpha) or not (0.0 < float(self.similarity_alpha) <= 10.0):
             raise ConfigError(f"similarity_alpha must be in (0, 10], got {self.similarity_alpha!r}")
@@ -297,6 +312,16 @@ class ImpressConfig:
             if not is_number(getattr(self, name)) or not 0.0 <= float(getattr(self, name)) < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
         check_int("remote_key_tokens", self.remote_key_tokens, 16, 1 << 20)
+
+    @property
+    def auto(self) -> bool:
+        """Whether each request chooses between exact reuse and sparse loading."""
+        return self.important_ratio == "auto"
+
+    @property
+    def sparse_ratio(self) -> float:
+        """The ratio sparse loading uses: ``important_ratio``, or ``auto_ratio`` with "auto"."""
+        return self.auto_ratio if self.auto else float(self.important_ratio)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dictionary."""

@@ -63,6 +63,13 @@ class RequestStats:
 
     matched_tokens: int = 0
     computed_tokens: int = 0
+    #: with ``important_ratio="auto"``: ``"exact"`` or ``"sparse"``, what the store's cost
+    #: model chose for this request, why, and the times it predicted for both (seconds to
+    #: the first token); empty for a fixed ratio or nothing reused
+    plan: str = ""
+    plan_reason: str = ""
+    predicted_exact_seconds: float | None = None
+    predicted_sparse_seconds: float | None = None
     reused_columns: int = 0
     bytes_read_disk: int = 0
     blocks_read: int = 0
@@ -82,6 +89,9 @@ class RequestStats:
     reselections: int = 0
     reselect_seconds: float = 0.0
     guard_triggered: int = 0
+    #: time the guard's read of the rest (and the recompute of the new tokens) added
+    #: before the first token
+    guard_seconds: float = 0.0
     first_token_margin: float | None = None
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0

@@ -304,12 +304,17 @@ class ImpressCache(Cache):
             return
         margin = _gap(logits[:, -1])
         req.stats.first_token_margin = margin
+        guard = req.full_pending and self.store.config.guard_margin > 0
+        if guard:
+            self.store.costs.observe_guard(margin < self.store.config.guard_margin)
         if margin >= self.store.config.guard_margin or not req.full_pending:
             return
         req.stats.guard_triggered += 1
+        t0 = time.perf_counter()
         exact = self._restore_full(req, True, True)
         assert exact is not None
         logits[:, -1] = exact.to(logits.device, logits.dtype)
+        req.stats.guard_seconds += time.perf_counter() - t0
 
     # -- the cache protocol --------------------------------------------------------------
     def update(

@@ -40,6 +40,9 @@ class _Background:
         self._produce = produce
         self._prepare = prepare
         self._cancelled = False
+        #: when the loader started and produced its last layer (``None``: not yet, or failed)
+        self.started = time.perf_counter()
+        self.finished: float | None = None
         self.future = store.loader.submit(self._run, layers)
 
     def _run(self, layers: int) -> None:
@@ -54,6 +57,7 @@ class _Background:
                     return
                 self._items[layer] = self._produce(started.popleft())
                 self._ready[layer].set()
+            self.finished = time.perf_counter()
         except BaseException as exc:  # handed to the layer that waits
             self._error = exc
         finally:
@@ -133,7 +137,14 @@ class DenseLoader:
         self._room = room
         self._stats = stats
         self._lock = threading.Lock()
+        #: bytes read from disk (the cost model's bandwidth sample, with `seconds`)
+        self.disk_bytes = 0
         self._bg = _Background(store, store.spec.num_layers, self._gather, self._start)
+
+    @property
+    def seconds(self) -> float | None:
+        """Wall time from the loader's start to its last layer (``None``: not done)."""
+        return None if self._bg.finished is None else self._bg.finished - self._bg.started
 
     def _positions(self, layer: int) -> list[torch.Tensor | None] | None:
         """Per batch row, the stored positions the layer holds (``None``: all of them)."""
@@ -172,6 +183,7 @@ class DenseLoader:
                 buf[1, i, :, start:held] = v
             with self._lock:
                 self._stats.bytes_read_disk += blocks.stats.disk_bytes
+                self.disk_bytes += blocks.stats.disk_bytes
                 if self._beside_sparse:
                     self._stats.bytes_read_rows += blocks.stats.disk_bytes
                 self._stats.blocks_read += blocks.stats.disk_blocks

@@ -17,6 +17,7 @@ layers (`recovery`); later requests match a shorter prefix.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from ..selection.modes import BASELINES
 from ..stats import RequestStats, RowStats
 from ..store.leases import PrefixLease
 from ..store.store import ImpressStore
+from . import planner
 from .layers import to_stored
 from .loaders import DenseLoader, ProbeLoader, prefix_buffer
 from .recovery import recompute_prefix
@@ -80,6 +82,8 @@ class PrefixRequest:
         #: the planned batch rows the whole prefix is restored for (``decode="full"``)
         self._full_rows = self.rows
         self.prefill_started: float | None = None
+        #: where the prefix's blocks are read from, for the cost model (`planner`)
+        self.cost_source = "disk"
         t0 = time.perf_counter()
         try:
             self._plan()
@@ -163,6 +167,12 @@ class PrefixRequest:
         self.stats.match_seconds = time.perf_counter() - t0
         room = self.ids.shape[1] - reused
         self.held, self.sparse_layers = held_rows(store.spec, reused, k)
+        if store.config.auto and self.sparse_layers:  # exact reuse or sparse loading, by the cost model
+            choice = planner.plan(self, reused, k, len(self.sparse_layers), layouts)
+            self.stats.plan, self.stats.plan_reason = choice.mode, choice.reason
+            self.stats.predicted_exact_seconds, self.stats.predicted_sparse_seconds = choice.exact_seconds, choice.sparse_seconds
+            if choice.mode == "exact":
+                self.held, self.sparse_layers = held_rows(store.spec, reused, reused)
         if self.sparse_layers:
             probes = (
                 None
@@ -193,9 +203,10 @@ class PrefixRequest:
         return p
 
     def _rows_per_layer(self, reused: int) -> int:
-        """``k = ceil(important_ratio * C)``, whole blocks with block selection."""
+        """``k = ceil(important_ratio * C)`` (``auto_ratio`` with "auto"), whole blocks with
+        block selection."""
         cfg = self.store.config
-        k = math.ceil(cfg.important_ratio * reused)
+        k = math.ceil(cfg.sparse_ratio * reused)
         if cfg.selection == "block":
             # whole blocks are read anyway: use every row of them
             k = min(reused, math.ceil(k / cfg.chunk_tokens) * cfg.chunk_tokens)
@@ -273,13 +284,17 @@ class PrefixRequest:
             self.stats.prefill_seconds = time.perf_counter() - self.prefill_started
         if self._recomputed is not None and self.stats.recomputed_layers >= self.store.spec.num_layers:
             self._nothing_reused()  # every layer's prefix came from the recompute, none from the store
+        if self.reused and self._recomputed is None and not self.stats.recomputed_layers:
+            dense = self._dense if self.sparse is None else None
+            planner.observe_prefill(self, None if dense is None else dense.seconds, 0 if dense is None else dense.disk_bytes)
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full":
                 # the batch's rows as they are now: later reorders apply to the result
                 self._full_rows = self.rows.clone()
                 if self._recomputed is None:
-                    self._full = self.store.fetcher.submit(self.sparse.load_full, self.rows.tolist(), self.reused)
+                    read = functools.partial(self.sparse.load_full, self.rows.tolist(), self.reused)
+                    self._full = self.store.fetcher.submit(planner.timed_full_read, self, read)
                 else:  # a recovery recomputed the whole prefix: restored from memory, as if read
                     self._full = Future()
                     self._full.set_result((*self._whole_prefix(self._recomputed), 0, 0))

@@ -148,6 +148,25 @@ class BlockIO:
         with self._lock:
             self.counters = IOCounters()
 
+    def where(self, layout: PrefixLayout, sample: int = 64) -> tuple[float, bool]:
+        """Where a prefix's blocks are, for the cost model: the share of a sample of its
+        first layer's K/V blocks held by a memory tier (no access recorded), and whether a
+        file of it may still fetch blocks from the remote tier."""
+        units = layout.units
+        if not units:
+            return 0.0, False
+        step = max(1, len(units) // sample)
+        keys = [(u.file_id, KV, 0, u.block) for u in units[::step]]
+        resident = self._tiers.resident(keys) / len(keys) if self._tiers.enabled else 0.0
+        linked = False
+        if self.fill is not None:
+            for fid in set(layout.unit_files.tolist()):
+                rec = self._catalog.records.get(fid)
+                if rec is not None and self.fill.linked(rec.name, fid):
+                    linked = True
+                    break
+        return resident, linked
+
     # -- entry points ----------------------------------------------------------------------
     def read(
         self,

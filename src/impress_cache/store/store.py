@@ -53,6 +53,7 @@ from .leftovers import remove_leftovers
 from .leases import LeaseTable, PrefixLease
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
+from .costs import CostModel
 from .remote import NoRemote, RemoteTier
 from .reorder.room import Reordering
 from .values import NodeValues
@@ -165,6 +166,8 @@ class ImpressStore:
         )
         self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
             self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
+        #: measured costs that choose exact reuse or sparse loading (``important_ratio="auto"``)
+        self.costs = CostModel.load(self.path, not self.read_only, cfg.file_mode)
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
             pin_host=torch.cuda.is_available(), fill=self._remote.files,  # linked files: fetched when read
@@ -238,7 +241,7 @@ class ImpressStore:
             self._reorder.reorganizer.stop, self._writer.flush, self._writer.close, self._leases.unlinker.close,
             lambda: self.fetcher.shutdown(wait=True), lambda: self.loader.shutdown(wait=True),
             self._remote.close,  # after the fetch threads: their reads may fill linked files
-            self.save_block_stats, lambda: setattr(self._stats, "closed", True), self._reader.close, self._catalog.close, self.index.close,
+            self.save_block_stats, self.costs.save, lambda: setattr(self._stats, "closed", True), self._reader.close, self._catalog.close, self.index.close,
         )
         failure: BaseException | None = None
         for step in steps:
@@ -257,6 +260,7 @@ class ImpressStore:
         self._leases.unlinker.drain()
         self._remote.flush()  # write-through: uploaded (or dropped after remote_retry_s)
         self.save_block_stats()
+        self.costs.save()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -341,6 +345,11 @@ class ImpressStore:
         the file (`quarantine`) and matches again.
         """
         return load_layout(self.spec, self.layout(segments), self.start_layout, out, known, decode, layers)
+
+    def where(self, layout: PrefixLayout) -> tuple[float, bool]:
+        """Share of a prefix's blocks in the memory tiers, and whether the remote tier
+        may still have to deliver some (`BlockIO.where`)."""
+        return self._io.where(layout)
 
     def start_layout(
         self,

@@ -157,6 +157,11 @@ class TierManager(TierView):
         with self._lock:
             return self._get(key, nbytes, self._now())
 
+    def resident(self, keys: Iterable[Hashable]) -> int:
+        """How many of ``keys`` a tier holds (a plain count: no access, no statistics)."""
+        where = self._where
+        return sum(1 for key in keys if key in where)
+
     def lookup(
         self, keys: Sequence[Hashable], shares: Sequence[float | None], sizes: Sequence[int]
     ) -> list[tuple[str, Any] | None]:

@@ -64,7 +64,7 @@ class Reordering:
         idle = config.reorg_idle_ms
         self.reorganizer = Reorganizer(
             root, catalog, self.importance, activity, self._read_node, writer.write_rows, self._replaced,
-            layers=spec.num_layers, chunk_tokens=config.chunk_tokens, important_ratio=config.important_ratio,
+            layers=spec.num_layers, chunk_tokens=config.chunk_tokens, important_ratio=config.sparse_ratio,
             idle_s=(50.0 if idle is None else float(idle)) / 1000.0,
             min_requests=config.reorg_min_requests, min_gain=config.reorg_min_gain,
         )
@@ -156,7 +156,7 @@ class Reordering:
         self.importance.settle(new.id)
         self._values.inherit(old.id, [new.id])
         if self._tiers.enabled:
-            shares = block_shares(order, self._config.important_ratio, self._config.chunk_tokens)
+            shares = block_shares(order, self._config.sparse_ratio, self._config.chunk_tokens)
             for layer in range(shares.shape[0]):
                 for b in range(shares.shape[1]):
                     self._tiers.seed((file_id, KV, layer, b), float(shares[layer, b]))
