@@ -242,18 +242,23 @@ class Index(StatisticsTables):
             return value
 
     # -- namespaces ------------------------------------------------------------------
-    def namespace_id(self, digest: str, create: bool = False) -> int | None:
+    def namespace_id(self, digest: str, create: bool = False, wait: bool = True) -> int | None:
         """The id of the namespace named by ``digest`` (`store.namespaces`; ids are never
         used twice), given one now with ``create``; None when it has none (or when a
-        read-only index of a store made before namespaces has no such table)."""
+        read-only index of a store made before namespaces has no such table). Not
+        ``wait`` (and not ``create``): None at once when another thread is using the index."""
         if create:
             with self.transaction() as conn:
                 conn.execute("INSERT OR IGNORE INTO namespaces(digest) VALUES (?)", (digest,))
                 return int(conn.execute("SELECT id FROM namespaces WHERE digest=?", (digest,)).fetchone()[0])
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='namespaces'").fetchone() is None:
                 return None
             row = self._conn.execute("SELECT id FROM namespaces WHERE digest=?", (digest,)).fetchone()
+        finally:
+            self._lock.release()
         return None if row is None else int(row[0])
 
     def namespaces(self) -> dict[int, str]:

@@ -100,7 +100,10 @@ class Namespaces:
             ns = self._ids.get(digest)
         if ns is not None:
             return ns
-        ns = self._index.namespace_id(digest, create=create and not self._read_only)
+        # a lookup does not wait for a write's commit: a namespace this process never
+        # stored under, busy index, matches nothing this time (another process's prompts
+        # under it are matched by a later request)
+        ns = self._index.namespace_id(digest, create=create and not self._read_only, wait=create)
         if ns is None:
             return None
         if ns > self.limit:
