@@ -193,3 +193,38 @@ def test_a_request_right_after_the_one_that_stored_its_prefix_reuses_it(tmp_path
         cache, seq = out[0]
         assert torch.equal(seq, ref)
         assert cache.stats.matched_tokens == 47 and cache.stats.waited_for_write_seconds > 0
+
+
+def test_a_hybrid_models_next_request_waits_for_the_state_checkpoint_too(tmp_path):
+    """A hybrid model reuses a prefix only up to a state checkpoint, written on the
+    writer thread after the prompt's K/V: the next request waits for both."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
+    from families import family_model
+
+    model = family_model("qwen3_5_text")
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(2))
+    with ImpressStore(tmp_path, model, cfg(important_ratio=1.0)) as store:
+        nxt = torch.cat([ids, torch.tensor([[5, 6, 7]])], dim=1)  # (a checkpoint serves a longer prompt)
+        with torch.no_grad():
+            ref = model.generate(nxt, max_new_tokens=4, do_sample=False)
+        with held_commit(store) as held:
+            held.armed = True
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: ImpressCache(store, ids)})
+            assert held.reached.wait(WAIT_S)
+
+            def second():
+                cache = ImpressCache(store, nxt)
+                with torch.no_grad():
+                    return cache, model.generate(nxt, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
+
+            t, out = _in_thread(second)
+            _until_waiting(store)
+            held.go.set()
+            t.join(WAIT_S)
+        cache, seq = out[0]
+        assert torch.equal(seq, ref)
+        assert cache.stats.matched_tokens == 40 and cache.stats.waited_for_write_seconds > 0

@@ -85,14 +85,14 @@ class InFlight:
         return len(self._writes)
 
     def longer(self, tokens: np.ndarray, have: int) -> Future[None] | None:
-        """The first pending write that stores more than ``have`` leading tokens of
-        ``tokens`` (the one giving most, the earliest of those), or None."""
+        """A pending write that stores more than ``have`` leading tokens of ``tokens``
+        (the one giving most, the last submitted of those), or None."""
         with self._lock:
             writes = list(self._writes.items())
         best, gain = None, have
-        for fut, stored in writes:
+        for fut, stored in writes:  # (the last of those giving most: a job after a write, e.g. its state checkpoint)
             n = common_length(stored, tokens)
-            if n > gain and not fut.done():
+            if n > have and n >= gain and not fut.done():
                 best, gain = fut, n
         return best
 
@@ -198,10 +198,13 @@ class PromptWriter:
         if not done:
             self._scan = scan
 
-    def submit_job(self, fn: Callable[[], Any]) -> Future[Any]:
+    def submit_job(self, fn: Callable[[], Any], tokens: Sequence[int] | None = None) -> Future[Any]:
         """Run ``fn`` on the writer thread after the writes submitted before it; `flush`
-        waits for it (and raises what it raised)."""
+        waits for it (and raises what it raised). A job about a sequence (``tokens``: a
+        state checkpoint) is waited for like a write of it (`InFlight`)."""
         fut = self._pool.submit(fn)
+        if tokens is not None:
+            self.inflight.add(fut, as_tokens(tokens).copy())
         with self._jobs_lock:
             self._pending.append(fut)
         return fut
