@@ -24,11 +24,11 @@ Each job lives in its own module:
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
 from .leftovers import remove_leftovers
 from .leases import LeaseTable, PrefixLease
+from .namespaces import Namespaces
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
 from .remote import NoRemote, RemoteTier
@@ -63,7 +64,6 @@ from .warmup import warmup
 from .loading import LoadedPrefix, load_layout
 from .states import StateCheckpoints
 from .tiering import make_tiers, policy_kwargs
-from .namespaces import Namespaces
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
