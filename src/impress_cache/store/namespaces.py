@@ -69,7 +69,9 @@ class Namespaces:
         self._index = index
         self._vocab = int(vocab_size)
         self._read_only = read_only
-        self._ids: dict[str, int] = {}
+        #: every namespace the index names when the store opens (a lookup then never
+        #: depends on the index being free), and those found or given ids since
+        self._ids: dict[str, int] = {digest: ns for ns, digest in index.namespaces().items()}
         self._lock = threading.Lock()
 
     @property
@@ -100,9 +102,9 @@ class Namespaces:
             ns = self._ids.get(digest)
         if ns is not None:
             return ns
-        # a lookup does not wait for a write's commit: a namespace this process never
-        # stored under, busy index, matches nothing this time (another process's prompts
-        # under it are matched by a later request)
+        # a lookup does not wait for a write's commit: a namespace unknown when the store
+        # opened and never stored under by this process matches nothing while the index
+        # is busy (prompts another process stored under it since are matched later)
         ns = self._index.namespace_id(digest, create=create and not self._read_only, wait=create)
         if ns is None:
             return None
