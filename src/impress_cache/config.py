@@ -204,6 +204,12 @@ class ImpressConfig:
         index on `flush`, on `close` and, while requests run, at most every
         ``stats_interval_s`` seconds (in the background). ``None``: only on flush and
         close.
+    write_wait_s:
+        A lookup whose prompt a write still in flight (a prompt handed to the background
+        writer, not committed yet) would match further than the committed index waits
+        for that write to commit, at most this many seconds, and then matches (the
+        request's ``stats.waited_for_write_seconds``). A write that fails ends the wait
+        (nothing more matched). ``0`` never waits.
     reorg_idle_ms:
         Importance reordering: a background thread rewrites nodes whose statistics call
         for a new row order once the store has been idle this long, and waits for this
@@ -256,6 +262,7 @@ class ImpressConfig:
     remote_grace_s: float = 600.0
     remote_retry_s: float = 30.0
     remote_key_tokens: int = 256
+    write_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1, 1 << 16)
@@ -308,7 +315,7 @@ class ImpressConfig:
         check_remote(self.remote, self.remote_options)
         if self.remote_bytes is not None:
             check_int("remote_bytes", self.remote_bytes, 1)
-        for name in ("remote_grace_s", "remote_retry_s"):
+        for name in ("remote_grace_s", "remote_retry_s", "write_wait_s"):
             if not is_number(getattr(self, name)) or not 0.0 <= float(getattr(self, name)) < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}")
         check_int("remote_key_tokens", self.remote_key_tokens, 16, 1 << 20)

@@ -59,6 +59,9 @@ class RequestStats:
     a sparse prefill, the K/V blocks holding the selected rows and those rows;
     ``blocks_per_selected_row`` is their ratio (``1 / chunk_tokens`` at best: importance
     reordering packs a prefix's important rows into fewer blocks).
+    ``waited_for_write_seconds``: how long matching waited for a write still in flight
+    (a prompt stored by an earlier request, not committed yet) that gave this request a
+    longer match (at most ``config.write_wait_s`` per batch row; 0.0: no wait).
     """
 
     matched_tokens: int = 0
@@ -96,6 +99,7 @@ class RequestStats:
     bytes_unattended_rows: float = 0.0
     invalid_io_ratio: float = 0.0
     match_seconds: float = 0.0
+    waited_for_write_seconds: float = 0.0
     probe_seconds: float = 0.0
     select_seconds: float = 0.0
     io_wait_seconds: float = 0.0

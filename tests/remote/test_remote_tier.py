@@ -314,3 +314,23 @@ def test_fills_merge_neighbours_then_the_smallest_gaps():
     ranges = [(0, 10), (10 * k, 10 * k + 10), (100 * k, 100 * k + 10), (102 * k, 102 * k + 10), (500 * k, 500 * k + 10)]
     assert _coalesce(ranges, 3) == [(0, 10 * k + 10), (100 * k, 102 * k + 10), (500 * k, 500 * k + 10)]
     assert _coalesce(ranges, 1) == [(0, 500 * k + 10)]
+
+
+def test_only_the_default_namespace_travels(bucket, tmp_path):
+    """Namespaces' ids are handed out per store: a namespace's prompts are neither
+    uploaded nor looked up in the remote (another host's id may name another tenant)."""
+    from impress_cache import ImpressCache
+    from helpers import run
+
+    server, prefix, backend = bucket
+    model, doc = tiny_model(), _doc()
+    with ImpressStore(tmp_path / "a", model, _cfg(server, prefix)) as a:
+        run(model, doc, cache=ImpressCache(a, namespace="t"), new_tokens=2)
+        a.flush()
+        assert a.stats()["remote"]["prompts_advertised"] == 0
+        assert _objects(backend, "obj") == []
+    _store_on_a(tmp_path, model, server, prefix, doc)  # the default namespace's copy travels
+    with ImpressStore(tmp_path / "b", model, _cfg(server, prefix)) as b:
+        assert b.match(doc[0].numpy(), namespace="t").length == 0
+        assert b.stats()["remote"]["lookups"] == 0
+        assert b.match(doc[0].numpy()).length == doc.shape[1]

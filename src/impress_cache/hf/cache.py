@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import CacheUsageError
 from ..stats import RequestStats
+from ..store.namespaces import check_namespace
 from ..store.store import ImpressStore
 from .guards import PromptGuard, check_inputs
 from .hooks import install_hooks
@@ -69,6 +70,12 @@ class ImpressCache(Cache):
         (``refresh_new_tokens``); never with beams or repeated rows. It needs the
         ``generate`` wrapper: a model's very first ``generate`` call, looked up before
         the first ImpressCache installed the hooks, stores only its prompt.
+    namespace:
+        Match only prefixes stored under this name, and store under it (a tenant, a
+        user): nothing stored under one namespace is matched under another or under
+        the default namespace ``None`` (what every request used before namespaces). A
+        string of 1 to 1024 characters; the store records only its SHA-256. See
+        docs/serving.md (Tenants).
 
     Notes
     -----
@@ -86,6 +93,7 @@ class ImpressCache(Cache):
         attention_mask: torch.Tensor | None = None,
         store_prompt: bool = True,
         store_answer: bool = False,
+        namespace: str | None = None,
     ) -> None:
         if not isinstance(store, ImpressStore):
             raise TypeError(f"store must be an ImpressStore, got {type(store).__name__}")
@@ -97,6 +105,8 @@ class ImpressCache(Cache):
         if input_ids is None and attention_mask is not None:
             raise CacheUsageError("attention_mask without input_ids: pass both, or neither and let generate bind the cache")
         self.store = store
+        #: the namespace this request matches and stores under (None: the default)
+        self.namespace = check_namespace(namespace)
         self.store_prompt = store_prompt
         self.store_answer = store_answer
         self._request: PrefixRequest | None = None
@@ -138,7 +148,7 @@ class ImpressCache(Cache):
         if self._request is not None:
             raise CacheUsageError("this ImpressCache is bound to a prompt already; build a new ImpressCache per request")
         ids, mask = check_inputs(input_ids, attention_mask, self.store.spec.vocab_size)
-        req = PrefixRequest(self.store, ids, mask, reuse=reuse)
+        req = PrefixRequest(self.store, ids, mask, reuse=reuse, namespace=self.namespace)
         for m, s in self._stored.items():
             self.layers[m].start_with(req.reused, req.reused - req.held[s])
         if req.states is not None and req.reused:
@@ -294,7 +304,8 @@ class ImpressCache(Cache):
             req = self._request
             if req is not None and req.one_unpadded_row:
                 assert self.store.states is not None
-                self.store.states.put_async(req.ids[0].tolist(), state_tensors(self.store.spec, self.layers))
+                key = self.store.namespaces.key(req.ids[0].numpy(), self.namespace, create=True)
+                self.store.states.put_async(key.tolist(), state_tensors(self.store.spec, self.layers))
         if not self._guard_pending:
             return
         self._guard_pending = False

@@ -54,8 +54,12 @@ def _log_failure(fut: Future[Any]) -> None:
 class PrefixRequest:
     """Match, lease and start loading the stored prefix of one request."""
 
-    def __init__(self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor, reuse: bool = True) -> None:
+    def __init__(
+        self, store: ImpressStore, ids: torch.Tensor, mask: torch.Tensor, reuse: bool = True, namespace: str | None = None
+    ) -> None:
         self.store = store
+        #: what the request matches and stores under (`ImpressCache(namespace=)`)
+        self.namespace = namespace
         self.ids = ids
         self.mask = mask
         #: False: match nothing (a forward that computes the whole prompt; it is still stored)
@@ -140,7 +144,10 @@ class PrefixRequest:
         rows = [self.ids[i, pads[i] :] for i in range(self.ids.shape[0])]
         t0 = time.perf_counter()
         for attempt in range(_REMATCHES):
-            matches = [store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0) for toks in rows]
+            matches = [
+                store.match(toks.numpy(), limit=len(toks) - 1 if self.reuse else 0, namespace=self.namespace) for toks in rows
+            ]
+            self.stats.waited_for_write_seconds += sum(m.waited_s for m in matches)
             self.reused = reused = min(p + m.length for p, m in zip(pads, matches))
             if store.states is not None:  # reuse only up to a checkpoint of every state layer
                 self.reused = reused = self._checkpoint(rows, pads, matches)
@@ -197,7 +204,10 @@ class PrefixRequest:
         for seg in matches[0].segments:
             at += seg.length
             ends.append(at)
-        p, self.states = self.store.states.best(rows[0].numpy(), ends)
+        key = self.store.namespaces.key(rows[0].numpy(), self.namespace)
+        if key is None:
+            return 0
+        p, self.states = self.store.states.best(key, ends)
         if self.states is not None:
             self.stats.bytes_read_disk += sum(t.numel() * t.element_size() for t in self.states.values())
         return p
@@ -275,7 +285,7 @@ class PrefixRequest:
         mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], len(fed))], dim=1)
         self._store_prompt(layers, ids, mask, answers=True)
         if states is not None and self.store.states is not None:
-            self.store.states.put_async(ids[0].tolist(), states)
+            self.store.states.put_async(self.store.namespaces.key(ids[0].numpy(), self.namespace, create=True).tolist(), states)
 
     def finish_prefill(self, layers: list[Any], store_prompt: bool) -> None:
         """After the last layer: final statistics; with ``decode="full"`` start reading the
@@ -403,7 +413,7 @@ class PrefixRequest:
                 keys.append(k[:, pads[i] :])
                 values.append(v[:, pads[i] :])
             try:
-                self.store.put_async(toks, keys, values, valid_from=max(0, hidden - pads[i]))
+                self.store.put_async(toks, keys, values, valid_from=max(0, hidden - pads[i]), namespace=self.namespace)
             except (StoreFormatError, StoreIOError) as exc:
                 log.warning("the prompt is not stored: %s", exc)
                 continue

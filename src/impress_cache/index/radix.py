@@ -242,6 +242,9 @@ class Match:
 
     length: int
     segments: tuple[Segment, ...]
+    #: seconds the store's lookup waited for a write in flight that this match needed
+    #: (`ImpressStore.match`; 0.0 for the tree's own matches)
+    waited_s: float = 0.0
 
 
 @dataclass

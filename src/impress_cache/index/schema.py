@@ -65,6 +65,10 @@ CREATE TABLE IF NOT EXISTS node_stats (
     seq INTEGER NOT NULL,
     saved_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS namespaces (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    digest TEXT NOT NULL UNIQUE
+);
 """
 
 #: a node's and a file's statistics go with them (one statement per removal: the disk

@@ -241,6 +241,38 @@ class Index(StatisticsTables):
             conn.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
             return value
 
+    # -- namespaces ------------------------------------------------------------------
+    def namespace_id(self, digest: str, create: bool = False, wait: bool = True) -> int | None:
+        """The id of the namespace named by ``digest`` (`store.namespaces`; ids are never
+        used twice), given one now with ``create``; None when it has none (or when a
+        read-only index of a store made before namespaces has no such table). Not
+        ``wait`` (and not ``create``): None at once when another thread is using the index."""
+        if create:
+            with self.transaction() as conn:
+                conn.execute("INSERT OR IGNORE INTO namespaces(digest) VALUES (?)", (digest,))
+                return int(conn.execute("SELECT id FROM namespaces WHERE digest=?", (digest,)).fetchone()[0])
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='namespaces'").fetchone() is None:
+                return None
+            row = self._conn.execute("SELECT id FROM namespaces WHERE digest=?", (digest,)).fetchone()
+        finally:
+            self._lock.release()
+        return None if row is None else int(row[0])
+
+    def namespaces(self) -> dict[int, str]:
+        """Every namespace's ``id -> digest`` (for a repair, which keeps them)."""
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='namespaces'").fetchone() is None:
+                return {}
+            return {int(i): str(d) for i, d in self._conn.execute("SELECT id, digest FROM namespaces")}
+
+    def keep_namespaces(self, rows: dict[int, str]) -> None:
+        """Record namespaces under the ids they had (a repaired index)."""
+        with self.transaction() as conn:
+            conn.executemany("INSERT INTO namespaces(id, digest) VALUES (?, ?)", sorted(rows.items()))
+
     # -- files -------------------------------------------------------------------------
     def add_file(self, conn: sqlite3.Connection, f: NewFile) -> int:
         cur = conn.execute(

@@ -1,7 +1,9 @@
 """The inference thread: requests run one at a time, in arrival order, each with an
-`ImpressCache` of its tenant's store; after a request's last token the store is flushed
-(before the next request starts), so the next turn of a conversation matches what this
-one stored."""
+`ImpressCache` of its tenant's store. The next turn of a conversation matches what this
+one stored even while its write is in flight (the cache's lookup waits for that write,
+``ImpressConfig.write_wait_s``); the store is flushed after a request's last token only
+when no other request waits (writes on disk and statistics saved while the server is
+idle, without holding up a queued request)."""
 
 from __future__ import annotations
 
@@ -196,8 +198,9 @@ class InferenceWorker:
                 continue
             job.emit(("done", outcome))
             done = time.perf_counter()
-            try:  # off the response's path: before the next request, so it matches this one's prompt
-                store.flush()
+            try:  # off the response's path, and only when idle: a queued request matches what this
+                if self._queue.empty():  # one stores without it (its lookup waits for the write in flight)
+                    store.flush()
             except Exception:  # noqa: BLE001
                 log.exception("flushing the store at %s failed", store.path)
             log.info(

@@ -33,6 +33,7 @@ from .catalog import CHUNK_DIR, Catalog
 from .chunkfiles import FILE_NAME
 from .directory import dir_mode, ensure_dir
 from .header import decode_header
+from .namespaces import namespace_of, namespaced
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,14 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
     path = Path(path)
     chunks = path / CHUNK_DIR
     model = probe = None
+    spaces: dict[int, str] = {}  # the namespaces' ids (files of a namespace the index lost go aside)
     if (path / "index.sqlite").exists():
         try:  # what the old index recorded, if it still can say
             old = Index(path / "index.sqlite", read_only=True)
             try:
                 model, probe = old.get_json("model"), old.get_json("probe")
                 check_model_record(old, model)  # a damaged record is not used: the headers say
+                spaces = old.namespaces()
             finally:
                 old.close()
         except ImpressError:  # a damaged index: the files' headers say what it held
@@ -93,6 +96,8 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
                 k: probe[k] for k in ("kv_heads", "encoding")
             }:
                 raise ValueError("written for another model or probe setting")
+            if namespaced(seq) and namespace_of(seq[0], model["vocab_size"]) not in spaces:
+                raise ValueError("a prefix of a namespace the index no longer names")
             headers.append((new.first_pos, entry.stat().st_mtime, new, seq))
         except Exception as exc:  # any damage of a header: the file cannot be indexed
             bad.append((name, f"unreadable header ({type(exc).__name__}: {exc})"))
@@ -109,6 +114,8 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
     index.get_or_set_json("model", model)
     check_model_record(index, model)  # (records its checksum)
     index.get_or_set_json("probe", probe)
+    if spaces:
+        index.keep_namespaces(spaces)
     catalog = Catalog(path, index, _row_bytes(model, probe), lambda ids, records: None)
     indexed = 0
     try:

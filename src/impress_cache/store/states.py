@@ -52,7 +52,7 @@ class StateCheckpoints:
 
     def __init__(
         self, root: Path, model_digest: str, file_mode: int, fsync: bool, read_only: bool,
-        submit: Callable[[Callable[[], Any]], Any] | None = None,
+        submit: Callable[[Callable[[], Any], Sequence[int]], Any] | None = None,
     ) -> None:
         self.dir = root / STATE_DIR
         #: runs a job on the store's writer thread (after the prompts submitted before it)
@@ -64,7 +64,8 @@ class StateCheckpoints:
 
     @classmethod
     def of(
-        cls, root: Path, spec: ModelSpec, config: ImpressConfig, read_only: bool, submit: Callable[[Callable[[], Any]], Any]
+        cls, root: Path, spec: ModelSpec, config: ImpressConfig, read_only: bool,
+        submit: Callable[[Callable[[], Any], Sequence[int]], Any],
     ) -> "StateCheckpoints | None":
         """The checkpoints of a store of ``spec``'s model (None: it has no state layer)."""
         if not spec.state_layers:
@@ -90,7 +91,7 @@ class StateCheckpoints:
             self._put_logged(tokens, tensors)
             return
         try:
-            self._submit(lambda: self._put_logged(tokens, tensors))
+            self._submit(lambda: self._put_logged(tokens, tensors), tokens)
         except RuntimeError:  # the store is closing
             log.debug("the store is closing: a state checkpoint is not stored")
 

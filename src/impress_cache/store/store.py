@@ -15,6 +15,8 @@ Each job lives in its own module:
 `reorder`                 row importance per node, and the reorganiser that rewrites nodes
 `activity`                whether requests or writes are in progress (background work waits)
 `binding`                 the model and probe settings a store is bound to
+`namespaces`              the keys of prompts stored under a namespace
+`tiering`                 the memory tiers built from the configuration
 `report`                  `stats`
 ========================  =============================================================
 """
@@ -26,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +36,11 @@ import torch
 
 from ..config import ImpressConfig
 from ..errors import ConfigError, ImpressError, StoreFormatError
-from ..index.radix import Match, RadixTree, Segment, as_tokens
+from ..index.radix import Match, RadixTree, Segment
 from ..index.sqlite import FileRecord, Index
 from ..storage import FORMATS
 from ..storage.base import KV, BlockKey
 from ..storage.reader import BlockReader
-from ..tiers import TierManager
 from ..tiers.policies import make_policy
 from .activity import Activity
 from .binding import bind, recorded
@@ -51,6 +53,7 @@ from .gc import StoreGC, drop_blocks
 from .layout import PrefixLayout
 from .leftovers import remove_leftovers
 from .leases import LeaseTable, PrefixLease
+from .namespaces import Namespaces
 from .persist import StatsKeeper
 from .reorder import ImportanceStats
 from .costs import CostModel
@@ -61,6 +64,7 @@ from .report import build_stats
 from .warmup import warmup
 from .loading import LoadedPrefix, load_layout
 from .states import StateCheckpoints
+from .tiering import make_tiers, policy_kwargs
 from .writer import PromptWriter
 
 log = logging.getLogger(__name__)
@@ -141,7 +145,7 @@ class ImpressStore:
             if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
                 raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
             row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
-            self._values = NodeValues(make_policy(self.config.policy, **self._policy_kwargs()), self.clock)
+            self._values = NodeValues(make_policy(self.config.policy, **policy_kwargs(self.config)), self.clock)
             self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
             on_leaves = self._values.leaves_changed  # the disk budget's candidates
             self._catalog = Catalog(self.path, index, row_bytes, self._forget_files, self._split, on_leaves)
@@ -151,7 +155,7 @@ class ImpressStore:
         cfg = self.config
         self._closed = False
         self.device = _model_device(model)
-        self.tiers = self._make_tiers()
+        self.tiers = make_tiers(cfg, self.device, self.clock)
         #: requests and writes in progress (background rewrites wait for idleness)
         self.activity = Activity()
         self._leases = LeaseTable(self.clock, self._catalog.unlink, activity=self.activity, indexed=self._catalog.indexed)
@@ -177,6 +181,8 @@ class ImpressStore:
             self.path, self._catalog, self._io, self._writer, self._leases, self._values, self.tiers,
             self.activity, self._importance, self.spec, cfg,
         )
+        #: the keys of prompts stored under a namespace (`namespaces`)
+        self.namespaces = Namespaces(index, self.spec.vocab_size, self.read_only)
         self.states = StateCheckpoints.of(self.path, self.spec, cfg, self.read_only, self._writer.submit_job)
         #: background reads that requests start and wait for later (e.g. the rest of a prefix)
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impress-fetch")
@@ -188,30 +194,6 @@ class ImpressStore:
         if cfg.reorg_idle_ms is not None and model is not None and not self.read_only:
             self._reorder.reorganizer.start()
         log.info("opened store %s: %d nodes, %d files, statistics of %d blocks", self.path, len(self.tree), len(self._catalog.records), loaded)
-
-    def _policy_kwargs(self) -> dict[str, Any]:
-        cfg = self.config
-        if cfg.policy.lower() == "score":
-            return {"half_life_s": cfg.half_life_s, "unimportant_weight": cfg.unimportant_weight}
-        return {}
-
-    def _make_tiers(self) -> TierManager:
-        cfg = self.config
-        kwargs = self._policy_kwargs()
-        device = self.device
-        pin = torch.cuda.is_available()
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=pin)
-
-        def to_host(t: torch.Tensor) -> torch.Tensor:
-            host = t.to("cpu")
-            return host.pin_memory() if pin and not host.is_pinned() else host
-
-        return TierManager(
-            cfg.device_bytes, cfg.host_bytes, make_policy(cfg.policy, **kwargs), class_shares=cfg.tier_shares,
-            clock=self.clock, to_device=to_device, to_host=to_host, disk_to_device=True,
-        )
 
     # -- the rooms' state, for inspection ----------------------------------------------
     @property
@@ -267,12 +249,18 @@ class ImpressStore:
             raise RuntimeError(f"the store at {self.path} is closed")
 
     # -- lookups ---------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
-        """Longest stored prefix of ``tokens`` (at most ``limit`` tokens). Its nodes are safe
-        from disk eviction for `MATCH_GRACE_S` seconds of the store's clock (a `lease` keeps them longer)."""
+    def match(self, tokens: Sequence[int], limit: int | None = None, *, namespace: str | None = None) -> Match:
+        """Longest prefix of ``tokens`` (at most ``limit`` tokens) stored under ``namespace``
+        (`namespaces`). Its nodes are safe from disk eviction for `MATCH_GRACE_S` seconds of
+        the store's clock (a `lease` keeps them longer). When a write still in flight would
+        match more, that write is waited for (at most ``config.write_wait_s``; ``waited_s``)."""
         self._check_open()
         self.activity.touch()
-        arr = as_tokens(tokens)
+        arr = self.namespaces.key(tokens, namespace)
+        if arr is None:
+            return Match(0, ())  # nothing was ever stored under this namespace
+        waited = self._writer.inflight.wait_for(
+            arr[:limit], lambda: self._catalog.match(arr, limit).length, self.config.write_wait_s)
         self._remote.pull(arr, limit)  # a prefix another host stored becomes local first
         for _ in range(_MAX_INDEX_REPAIRS):
             with self._catalog.lock:
@@ -282,7 +270,7 @@ class ImpressStore:
                     self._leases.note(m)
             bad = bad or check_tables(self._catalog.open_file, m)  # (a file's record read as its header says)
             if bad is None:
-                return m
+                return replace(m, waited_s=waited) if waited else m
             self.quarantine(*bad)
         raise StoreFormatError(f"the index of {self.path} keeps contradicting its chunk files; run `impress-cache verify --repair`")
 
@@ -371,19 +359,22 @@ class ImpressStore:
         )
 
     # -- writes ----------------------------------------------------------------------
-    def put_async(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0) -> Future[None]:
-        """Store a prompt's K/V in the background: ``keys[layer]``, ``values[layer]`` are ``[kv_heads,
-        len(tokens), head_dim]`` per stored layer (any device, dtype); only tokens not stored yet are
-        written. Rows before ``valid_from`` are not K/V (a window never held them): no write unless stored."""
+    def put_async(
+        self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0, *,
+        namespace: str | None = None,
+    ) -> Future[None]:
+        """Store a prompt's K/V under ``namespace`` in the background: ``keys[layer]``, ``values[layer]`` are
+        ``[kv_heads, len(tokens), head_dim]`` per stored layer (any device, dtype); only tokens not stored yet
+        are written. Rows before ``valid_from`` are not K/V (a window never held them): no write unless stored."""
         self._check_open()
         if self.read_only:
             return _DONE
-        return self._writer.submit(tokens, keys, values, valid_from)
+        return self._writer.submit(self.namespaces.key(tokens, namespace, create=True), keys, values, valid_from)
 
-    def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def put(self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], *, namespace: str | None = None) -> None:
         """`put_async` and wait for the write: on return the prompt is on disk and indexed,
         unless it was stored already or the write was refused (see `flush`)."""
-        self.put_async(tokens, keys, values).result()
+        self.put_async(tokens, keys, values, namespace=namespace).result()
 
     def _written(self, file_id: int, blocks: int, leaf: Any, push: bool = True) -> None:
         # a new prefix has statistics from the start (LRU: written counts as used)

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,68 @@ class WriteCounters:
 OnWritten = Callable[[int, int, RadixNode | None], None]
 
 
+class InFlight:
+    """The prompts handed to the writer and not written yet (the sequences they store),
+    so that a lookup can wait for the one write that would give it a longer match."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writes: dict[Future[None], np.ndarray] = {}
+        #: the writer thread (a lookup there never waits: it would wait for itself)
+        self.thread: int | None = None
+
+    def add(self, fut: Future[None], tokens: np.ndarray) -> None:
+        with self._lock:
+            self._writes[fut] = tokens
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._writes.pop(fut, None)
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    def longer(self, tokens: np.ndarray, have: int) -> Future[None] | None:
+        """A pending write that stores more than ``have`` leading tokens of ``tokens``
+        (the one giving most, the last submitted of those), or None."""
+        with self._lock:
+            writes = list(self._writes.items())
+        best, gain = None, have
+        for fut, stored in writes:  # (the last of those giving most: a job after a write, e.g. its state checkpoint)
+            n = common_length(stored, tokens)
+            if n > have and n >= gain and not fut.done():
+                best, gain = fut, n
+        return best
+
+    def wait_for(self, tokens: np.ndarray, have: Callable[[], int], timeout: float) -> float:
+        """Wait (at most ``timeout`` seconds in all) while a pending write would give
+        ``tokens`` a longer match than ``have()`` (the committed one); returns the
+        seconds waited (0.0: nothing to wait for). A write that fails just ends the wait
+        for it; nothing half-written is ever looked at (``have`` sees commits only)."""
+        if timeout <= 0 or not self._writes or threading.get_ident() == self.thread:
+            return 0.0
+        t0 = time.perf_counter()
+        deadline, waited = t0 + timeout, False
+        now = have()
+        while (fut := self.longer(tokens, now)) is not None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            waited = True
+            if not wait([fut], timeout=left).done:
+                break
+            now = have()
+        return time.perf_counter() - t0 if waited else 0.0
+
+
+def common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading elements two token arrays share."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 
 
 class PromptWriter:
@@ -95,6 +157,8 @@ class PromptWriter:
         self._scan: Callable[[], bool] | None = None
         #: what a scan retried before a write raised (`flush` raises it)
         self._scan_error: Exception | None = None
+        #: the prompts submitted and not written yet (`InFlight.wait_for`)
+        self.inflight = InFlight()
 
     def submit(
         self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
@@ -102,6 +166,7 @@ class PromptWriter:
         arr = as_tokens(tokens).copy()
         check_kv(self._spec, len(arr), keys, values)
         fut = self._pool.submit(self._write_logged, arr, keys, values, valid_from)
+        self.inflight.add(fut, arr)
         with self._jobs_lock:
             # finished writes are dropped unless they failed: flush() re-raises those
             self._pending = [f for f in self._pending if not f.done() or f.exception() is not None] + [fut]
@@ -133,10 +198,13 @@ class PromptWriter:
         if not done:
             self._scan = scan
 
-    def submit_job(self, fn: Callable[[], Any]) -> Future[Any]:
+    def submit_job(self, fn: Callable[[], Any], tokens: Sequence[int] | None = None) -> Future[Any]:
         """Run ``fn`` on the writer thread after the writes submitted before it; `flush`
-        waits for it (and raises what it raised)."""
+        waits for it (and raises what it raised). A job about a sequence (``tokens``: a
+        state checkpoint) is waited for like a write of it (`InFlight`)."""
         fut = self._pool.submit(fn)
+        if tokens is not None:
+            self.inflight.add(fut, as_tokens(tokens).copy())
         with self._jobs_lock:
             self._pending.append(fut)
         return fut
@@ -172,6 +240,7 @@ class PromptWriter:
     def _write_logged(
         self, tokens: np.ndarray, keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0
     ) -> None:
+        self.inflight.thread = threading.get_ident()
         if self._scan is not None:  # held off by another writer so far
             try:
                 self._try_scan()

@@ -35,6 +35,7 @@ from ...model_info import ModelSpec
 from ...storage.remote import RemoteEntry, RemoteError, RemoteMissing, RemoteShort, open_remote
 from ..binding import ProbeSpec
 from ..catalog import Catalog
+from ..namespaces import namespaced
 from .lazy import RemoteFiles
 from .objects import (
     BadObject, ChainEntry, Manifest, boundaries, header_length, key_name, manifest_name, namespace, parse_object,
@@ -181,6 +182,8 @@ class RemoteTier:
     def pull(self, tokens: np.ndarray, limit: int | None) -> int:
         """Import from the remote the longest stored prefix of ``tokens[:limit]`` that is
         longer than the local match; returns the tokens now matched locally beyond it."""
+        if namespaced(tokens):  # namespaces' ids are per store: only the default namespace travels
+            return 0
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         local = self._catalog.match(tokens, limit).length
         cands = [b for b in boundaries(limit, self._cfg.remote_key_tokens) if b > local]
@@ -311,7 +314,7 @@ class RemoteTier:
                     files.append([rec.name, rec.first_pos, pos + len(nd.tokens)])
                 pos += len(nd.tokens)
             tokens = leaf.path_tokens().astype(np.int64)
-        if pos == 0:
+        if pos == 0 or namespaced(tokens):
             return
         job = _Upload(tokens, tuple((a, b, c) for a, b, c in files))
         try:
