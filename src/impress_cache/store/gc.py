@@ -52,6 +52,8 @@ class StoreGC:
         self._values = values
         self._clock = clock
         self.counters = GCCounters()
+        #: the store was found over its budget with nothing left to remove (warned once)
+        self._warned_over = False
         catalog.evictor = self.evict_within
 
     # -- damaged files ---------------------------------------------------------------
@@ -167,13 +169,20 @@ class StoreGC:
             return {**result, "disk_bytes": size, "budget": budget}
         self._trim_wal(bound)
         stuck = self._evict_until(budget, bound, protected, result)
+        if stuck and protected and self._used(bound) > budget:
+            # a budget below what the prompt just written needs: it stays only if it lives
+            # in one file (at most one prompt over the budget), else it goes too
+            spread = self._spread(protected)
+            if spread:
+                stuck = self._evict_until(budget, bound, protected - spread, result)
         self._trim_wal(bound)
         after = catalog.disk_bytes(catalog.index.wal_bytes())
         if stuck and after > budget:
-            log.warning(
+            (log.warning if not self._warned_over else log.debug)(
                 "the store takes %d bytes, over disk_bytes=%d, but every remaining prefix is in use "
-                "or was just written", after, budget,
+                "or was just written (said once per store; later at debug level)", after, budget,
             )
+            self._warned_over = True
         if result["removed_prefixes"]:
             log.info(
                 "disk budget: removed %d prefix node(s) and %d file(s), freed %d bytes; %d of %d bytes used",
@@ -198,6 +207,18 @@ class StoreGC:
             result["freed_bytes"] += removal.freed
             if stuck or len(removal.victims) < BATCH:
                 return stuck
+
+    def _spread(self, protected: set[int]) -> set[int]:
+        """The protected leaves whose prompt needs more than one chunk file: it extends a
+        prefix stored in an older file, which may also hold rows no node uses any more
+        (the tail of a prompt evicted since). Kept under a budget below one prompt, such
+        a prompt would hold the store over budget by more than one prompt."""
+        with self._catalog.lock:
+            tree = self._catalog.tree
+            return {
+                node_id for node_id in protected
+                if (node := tree.get(node_id)) is not None and len({n.file_id for n in node.path()}) > 1
+            }
 
     def _used(self, wal_room: int) -> int:
         """What the budget compares: the store's bytes on disk, with ``wal_room`` bytes
