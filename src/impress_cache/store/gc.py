@@ -128,7 +128,9 @@ class StoreGC:
         return out
 
     # -- disk budget -----------------------------------------------------------------
-    def enforce(self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False) -> dict[str, int]:
+    def enforce(
+        self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False, written: int | None = None
+    ) -> dict[str, int]:
         """Remove the least valuable stored prefixes until the store fits ``budget``.
 
         The store's size is what it puts on disk (`Catalog.disk_bytes`): every indexed
@@ -138,7 +140,8 @@ class StoreGC:
         counts as that size, so the WAL's growth between two calls stays in budget.
 
         Candidates are the radix-tree leaves (whole stored prefixes, or their unshared
-        tails) that are not in ``protect`` (the prefix just written). They come from the
+        tails) that are not in ``protect`` nor ``written`` (the leaf of the prompt just
+        written: kept over the budget only if it lives in one file, see `_spread`). They come from the
         eviction heap of `NodeValues` in order of value (the node's policy priority:
         IMPRESS score, recency or access count of the requests that reused it), lowest
         first, ties by node id. A leaf whose file a request has leased is never removed;
@@ -158,7 +161,7 @@ class StoreGC:
         catalog = self._catalog
         if budget is None:
             return {**result, "disk_bytes": catalog.disk_bytes(), "budget": -1}
-        protected = set(protect)
+        protected = set(protect) | ({written} if written is not None else set())
         self._start_order()
         bound = wal_bound(budget)
         if not fresh or catalog.stale:  # (a tree left stale by a failed reload is reloaded now)
@@ -169,12 +172,10 @@ class StoreGC:
             return {**result, "disk_bytes": size, "budget": budget}
         self._trim_wal(bound)
         stuck = self._evict_until(budget, bound, protected, result)
-        if stuck and protected and self._used(bound) > budget:
+        if stuck and written is not None and self._used(bound) > budget and self._spread(written):
             # a budget below what the prompt just written needs: it stays only if it lives
             # in one file (at most one prompt over the budget), else it goes too
-            spread = self._spread(protected)
-            if spread:
-                stuck = self._evict_until(budget, bound, protected - spread, result)
+            stuck = self._evict_until(budget, bound, protected - {written}, result)
         self._trim_wal(bound)
         after = catalog.disk_bytes(catalog.index.wal_bytes())
         if stuck and after > budget:
@@ -208,17 +209,14 @@ class StoreGC:
             if stuck or len(removal.victims) < BATCH:
                 return stuck
 
-    def _spread(self, protected: set[int]) -> set[int]:
-        """The protected leaves whose prompt needs more than one chunk file: it extends a
-        prefix stored in an older file, which may also hold rows no node uses any more
-        (the tail of a prompt evicted since). Kept under a budget below one prompt, such
-        a prompt would hold the store over budget by more than one prompt."""
+    def _spread(self, leaf_id: int) -> bool:
+        """Whether the prompt ending at ``leaf_id`` needs more than one chunk file: it
+        extends a prefix stored in an older file, which may also hold rows no node uses
+        any more (the tail of a prompt evicted since). Kept under a budget below one
+        prompt, such a prompt would hold the store over budget by more than one prompt."""
         with self._catalog.lock:
-            tree = self._catalog.tree
-            return {
-                node_id for node_id in protected
-                if (node := tree.get(node_id)) is not None and len({n.file_id for n in node.path()}) > 1
-            }
+            node = self._catalog.tree.get(leaf_id)
+            return node is not None and len({n.file_id for n in node.path()}) > 1
 
     def _used(self, wal_room: int) -> int:
         """What the budget compares: the store's bytes on disk, with ``wal_room`` bytes
