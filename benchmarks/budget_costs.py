@@ -39,6 +39,7 @@ from impress_cache import ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.index.radix import as_tokens  # noqa: E402
 from impress_cache.index.sqlite import Index  # noqa: E402
 from impress_cache.store import catalog as catalog_mod  # noqa: E402
+from impress_cache.store import changes as changes_mod  # noqa: E402
 from impress_cache.store import gc as gc_mod  # noqa: E402
 from impress_cache.store import values as values_mod  # noqa: E402
 from impress_cache.store.gc import wal_bound  # noqa: E402
@@ -47,9 +48,9 @@ from impress_cache.store.gc import wal_bound  # noqa: E402
 PARTS = [
     (gc_mod.StoreGC, "evict_within", "removals in the write's transaction"),
     (values_mod.NodeValues, "pop", "  heap pops"),
-    (catalog_mod.Catalog, "remove", "  leaf removals (statement, tree)"),
-    (catalog_mod.Catalog, "drop_file_if_unreferenced", "  file removals (statement, file table)"),
-    (gc_mod.Removal, "settle", "forgetting the removed (tiers, statistics)"),
+    (changes_mod.TreeChanges, "remove_leaf", "  leaf removals (statement)"),
+    (changes_mod.TreeChanges, "drop_file_if_unreferenced", "  file removals (statement)"),
+    (gc_mod.Removal, "settle", "after the commit: the tree, the file table, forgetting the removed (tiers, statistics)"),
     (gc_mod.StoreGC, "enforce", "the check after the write"),
     (catalog_mod.Catalog, "commit_prompt", "the write's index transaction and tree update (the removals and the forgetting included)"),
 ]

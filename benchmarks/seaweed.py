@@ -6,6 +6,10 @@ beside the benchmarks, not in the installed package: the library never starts a 
 one process on free loopback ports, waits until the S3 gateway answers, and kills the
 process (SIGKILL: immediate; the data directory is the caller's) when the block ends.
 `server.options` are the ``remote_options`` an `ImpressConfig` needs to reach it.
+
+By default the gateway takes any credentials. ``SeaweedServer(dir, credentials=(key,
+secret))`` gives it one identity (``-s3.config``): requests signed with other keys are
+refused (403), and `options` carry that identity's keys.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import json
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -53,8 +58,12 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedServer:
     """One ``weed server`` process (see the module docstring)."""
 
-    def __init__(self, data_dir: str | os.PathLike[str], ready_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, data_dir: str | os.PathLike[str], ready_timeout_s: float = 60.0, credentials: tuple[str, str] | None = None
+    ) -> None:
         self.data_dir = Path(data_dir)
+        #: the only access key and secret the gateway accepts (``None``: any)
+        self.credentials = credentials
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
@@ -67,8 +76,22 @@ class SeaweedServer:
 
     @property
     def options(self) -> dict[str, Any]:
-        """``remote_options`` for s3fs: endpoint and (any) credentials."""
-        return {"key": "any", "secret": "any", "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+        """``remote_options`` for s3fs: endpoint and credentials (any, or the server's identity)."""
+        key, secret = self.credentials or ("any", "any")
+        return {"key": key, "secret": secret, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def _identity_flag(self) -> list[str]:
+        """``-s3.config`` with one identity allowed everything, when `credentials` are set."""
+        if self.credentials is None:
+            return []
+        key, secret = self.credentials
+        identity = {
+            "name": "impress", "credentials": [{"accessKey": key, "secretKey": secret}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        path = self.data_dir / "s3.json"
+        path.write_text(json.dumps({"identities": [identity]}))
+        return [f"-s3.config={path}"]
 
     def start(self) -> SeaweedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +105,7 @@ class SeaweedServer:
             weed_binary(), f"-logdir={self.data_dir}", "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-volume.max=64", "-master.volumeSizeLimitMB=256",
+            "-volume.max=64", "-master.volumeSizeLimitMB=256", *self._identity_flag(),
         ]
         log = open(self.data_dir / "weed.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -20,6 +20,7 @@ from impress_cache.index.schema import INVARIANT_NAMES
 from impress_cache.index.files import FileTable, find_sorted
 from impress_cache.index.sqlite import Index, NewFile
 from impress_cache.store.catalog import CHUNK_DIR, Catalog
+from impress_cache.store.changes import TreeChanges
 
 
 def new_file(tokens, first_pos: int, name: str | None = None) -> NewFile:
@@ -128,9 +129,11 @@ def test_loaded_tree_and_files_are_what_the_index_says(tmp_path_factory, ops, bi
                 while n.parent is not None:
                     path[:0] = [int(t) for t in n.tokens]
                     n = n.parent
+                changes = TreeChanges()
                 with cat.index.transaction() as conn:
-                    cat.remove(conn, node)
-                    cat.drop_file_if_unreferenced(conn, node.file_id)
+                    changes.remove_leaf(cat, conn, node)
+                    changes.drop_file_if_unreferenced(cat, conn, node.file_id)
+                cat.apply(changes)  # (the tree follows once committed)
                 covered -= {tuple(path[:i]) for i in range(len(path) - node.length + 1, len(path) + 1)}
             elif op == "rewrite" and len(cat.tree):
                 nodes = sorted(cat.tree.nodes(), key=lambda n: n.id)

@@ -5,8 +5,8 @@ reached) used to cost 30 s of retries per prompt and one S3 message per dropped 
 while the store opened as if all was well. Now one warning at open names the bucket,
 the endpoint and what failed, ``stats()["remote"]["state"]`` says it, and uploads are
 dropped at once without trying the remote (checked again every `RECHECK_S` seconds).
-Against a real SeaweedFS server (refused credentials cannot be shown with it: it
-accepts any).
+Against a real SeaweedFS server (for refused credentials, one of the test's own that
+knows a single identity: `SeaweedServer(credentials=...)`, ``-s3.config``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import logging
 
 import torch
 
-from conftest import VOCAB, tiny_model
+import pytest
+
+from conftest import VOCAB, seaweed_server, tiny_model
 from helpers import assert_same_as_uncached
 from impress_cache import ImpressConfig, ImpressStore
 
@@ -73,3 +75,44 @@ def test_a_working_bucket_is_ok(bucket, tmp_path):
         store.flush()
         remote = store.stats()["remote"]
         assert remote["state"] == "ok" and remote["prompts_advertised"] == 1 and remote["uploads_dropped"] == 0
+
+
+@pytest.fixture
+def guarded_seaweed(tmp_path):
+    """A SeaweedFS server of the test's own that accepts one access key only."""
+    server = seaweed_server()(tmp_path / "seaweed", credentials=("impresskey", "impresssecret"))
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def test_refused_credentials_are_named_once_at_open_and_uploads_do_not_retry(guarded_seaweed, tmp_path, caplog):
+    """The server refuses the store's keys (403): one warning at open names the bucket,
+    the endpoint and the refusal, and prompts are served locally, exactly, their uploads
+    dropped without a request to the server (no 30 s of retries per prompt)."""
+    import time
+
+    from impress_cache.storage.s3_remote import S3Backend
+
+    good = S3Backend("kvbucket", "team", guarded_seaweed.options)
+    good.ensure_bucket()  # (the bucket exists: only the keys are wrong)
+    assert good.check() is None
+    good.close()
+    model = tiny_model("llama")
+    wrong = {**guarded_seaweed.options, "key": "otherkey", "secret": "othersecret"}
+    caplog.set_level(logging.WARNING)
+    with ImpressStore(tmp_path / "kv", model, _cfg("s3://kvbucket/team", wrong)) as store:
+        store.flush()
+        state = store.stats()["remote"]["state"]
+        assert "'kvbucket'" in state and "refuses these credentials" in state, state
+        assert guarded_seaweed.endpoint in state
+        t0 = time.monotonic()
+        for seed in (5, 6):
+            assert_same_as_uncached(model, store, _doc(seed))  # served locally, exactly
+        store.flush()
+        assert time.monotonic() - t0 < 25  # (before: 30 s of retries per prompt)
+        remote = store.stats()["remote"]
+        assert remote["uploads_dropped"] == 2 and remote["remote_errors"] == 0  # not even tried
+    warned = _warnings(caplog, "kvbucket")
+    assert len(warned) == 1 and "cannot be used" in warned[0] and "refuses these credentials" in warned[0], warned

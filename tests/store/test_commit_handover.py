@@ -229,17 +229,21 @@ def test_a_transaction_started_during_a_commit_plans_from_the_committed_tree(tmp
 
 def test_a_commit_that_fails_after_the_lock_was_let_go(tmp_path):
     """The write's COMMIT fails (disk I/O error) while another transaction waits for it:
-    the write is counted as failed, the leaf its transaction evicted is back in the tree,
-    the waiter goes on, and the store keeps working."""
+    the write is counted as failed, the leaf its transaction evicted never left the tree
+    (the tree changes only once the transaction has committed), the waiter goes on, and
+    the store keeps working."""
     a, b = prompts(6, 2)
     with ImpressStore(tmp_path, _model(), cfg()) as store:
         put(store, a)
+        store.match(a)  # (a's file open: a match while the commit is held reads no index)
         store.config.disk_bytes = store.disk_bytes()  # b's write must evict a
         with held_commit(store) as held:
             held.armed = held.fail = True
             writer, failed = _in_thread(put, store, b)
             assert held.reached.wait(WAIT_S)
-            assert store.match(a).length == 0  # planned: a's leaf is out of the tree
+            assert store._catalog._unsettled == 1  # (the write let the lock go for its COMMIT)
+            # planned, not committed: a's leaf is still in the tree for every other thread
+            assert _done_while_held(store.match, a).length == len(a)
             waiter, out = _in_thread(store._catalog.refresh)  # (a look that waits for the write)
             _waiting(store)
             held.go.set()

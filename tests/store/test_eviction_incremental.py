@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 import impress_cache.store.gc as gc_mod
 from impress_cache.store.leases import FREE, GRACE
+from impress_cache.store.changes import TreeChanges
 from test_reorder import _model, cfg, put
 
 #: prefixes removed per example (the last test checks the examples really evicted)
@@ -82,13 +83,13 @@ def test_incremental_eviction_removes_what_a_full_scan_would(tmp_path_factory, m
         catalog = store._catalog
         removed: list[int] = []
         total = 0
-        remove = catalog.remove
+        remove = TreeChanges.remove_leaf
 
-        def recording_remove(conn, node):
+        def recording_remove(self, cat, conn, node):
             removed.append(node.id)
-            remove(conn, node)
+            return remove(self, cat, conn, node)
 
-        catalog.remove = recording_remove
+        monkeypatch.setattr(TreeChanges, "remove_leaf", recording_remove)
         for o in ops:
             kind = o[0]
             if kind == "put":

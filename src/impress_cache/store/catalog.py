@@ -27,6 +27,7 @@ import numpy as np
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
+from .changes import TreeChanges
 from .chunkfiles import FILE_NAME, OpenFile, OpenFiles
 from .directory import CreationGate
 
@@ -65,8 +66,9 @@ class _Handover:
     the transaction's ``COMMIT`` (which waits for the disk, while requests need the lock
     to match), marks the tree unsettled and releases the lock; `retake` takes it again;
     the end of the ``with`` marks the tree settled (`Catalog.transaction` waits for
-    that) and releases it. Whoever takes the lock meanwhile sees the tree as the write
-    planned it: the leaves it removes already gone, its new prompt not yet there."""
+    that) and releases it. Whoever takes the lock meanwhile sees the tree as it was
+    before the write: neither the leaves its transaction removes nor its new prompt
+    (both are applied once ``COMMIT`` has returned: `TreeChanges`)."""
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
@@ -158,7 +160,8 @@ class Catalog:
         #: their chunk file (`unlink`) and counted in `disk_bytes`
         self.companions: Companions | None = None
         #: ``(conn, budget, adding, keep) -> removal or None``: the disk budget inside a
-        #: write's transaction (`StoreGC.evict_within`)
+        #: write's transaction (`StoreGC.evict_within`); the removal's ``settle`` applies
+        #: it after the commit, its ``abandon`` after a rollback
         self.evictor: Callable[[object, int, int, set[int]], Any] | None = None
         self._load()
 
@@ -267,7 +270,9 @@ class Catalog:
         that would point a node outside an indexed file: `IndexRefusedError`, nothing
         committed.
 
-        An exception means nothing was committed. Once the transaction has committed,
+        The tree and the file table change only once the transaction has committed (the
+        budget's removals too: `TreeChanges`). An exception means nothing was committed
+        and the tree was not touched. Once the transaction has committed,
         a step after it that fails (the tree update, the removals' bookkeeping) is
         logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
         the prompt stays stored.
@@ -281,8 +286,8 @@ class Catalog:
                 finally:
                     hand.retake()
             except BaseException:
-                if removal:  # leaves were taken out of the tree for a transaction that failed
-                    self.reload_tree()
+                if removal and removal[0] is not None:  # planned for a transaction that did not commit
+                    removal[0].abandon()
                 raise
             if staged is None:
                 return None
@@ -299,7 +304,7 @@ class Catalog:
                     if halves and all(self.tree.get(h) is not None for h in halves):
                         self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
                 if removal and removal[0] is not None:
-                    removal[0].settle()
+                    removal[0].settle()  # (the budget's removals, after the new leaf: they may be below it)
             except BaseException as exc:
                 self.after_commit_failed("a stored prompt's tree update", exc)
                 leaf = self.tree.get(ids["leaf"])
@@ -361,8 +366,7 @@ class Catalog:
             record = _record_of(file_id, new_file)
             if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
-                removal.append(None)  # (from here on, a failure reloads the tree)
-                removal[0] = self.evictor(conn, budget, record.file_bytes, keep)
+                removal.append(self.evictor(conn, budget, record.file_bytes, keep))
             seen = (self.tree, self.tree.version)
             before_commit()
         return plan, ids, file_id, record, seen
@@ -393,16 +397,14 @@ class Catalog:
         then the reloaded tree's, or ``None`` if that reload failed too and waits for the
         next refresh; the dropped files are still returned)."""
         with self.lock:
-            try:
-                staged = self._index_replacement(node, new_file)
-            except BaseException:
-                self.reload_tree()
-                raise
+            staged = self._index_replacement(node, new_file)  # (an exception: the tree was not touched)
             if staged is None:
                 return None
-            node, new_id, file_id, record, dropped = staged
+            node, new_id, file_id, record, changes = staged
+            dropped = changes.dropped
             try:
                 self._add_record(record)
+                self.apply(changes)
                 new = self.tree.replace(node, new_id, file_id, 0)
             except BaseException as exc:
                 self.after_commit_failed("a rewritten node's tree update", exc)
@@ -413,7 +415,7 @@ class Catalog:
 
     def _index_replacement(
         self, node: RadixNode, new_file: NewFile
-    ) -> tuple[RadixNode, int, int, FileRecord, list[FileRecord]] | None:
+    ) -> tuple[RadixNode, int, int, FileRecord, TreeChanges] | None:
         with self.transaction() as conn:
             current = self.tree.get(node.id)
             if (
@@ -426,21 +428,17 @@ class Catalog:
             new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
             self.index.reparent(conn, node.id, new_id)
             self.index.delete_node(conn, node.id)
-            old_file = self.drop_file_if_unreferenced(conn, node.file_id)  # the only one that can go
-            dropped = [old_file] if old_file is not None else []
+            changes = TreeChanges()  # (only the old file can go; ``node`` itself is replaced, not removed)
+            changes.drop_file_if_unreferenced(self, conn, node.file_id)
             record = self.index.file(file_id)
         assert record is not None
-        return node, new_id, file_id, record, dropped
+        return node, new_id, file_id, record, changes
 
-    def remove(self, conn: object, node: RadixNode) -> None:
-        """Remove a leaf from the index (inside ``conn``'s transaction) and the tree.
-
-        Callers reload the tree if the transaction then fails."""
-        self.index.delete_node(conn, node.id)  # type: ignore[arg-type]
-        self.tree.remove(node)
-        parent = node.parent
-        if parent is not None and parent.parent is not None and not parent.children:
-            self._on_leaves((parent.id,), False)
+    def apply(self, changes: TreeChanges) -> None:
+        """The tree and the file table after a committed transaction that deleted the
+        nodes and files of ``changes`` (never before its ``COMMIT`` has returned)."""
+        with self.lock:
+            self._on_leaves(changes.apply_to(self.tree, self.records), False)
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
@@ -472,30 +470,6 @@ class Catalog:
         with self.lock:
             self.files.drop(ids)
             self._on_forget(ids, {r.id: r for r in records if r.id in ids})
-
-    def drop_unreferenced_files(self, conn: object) -> list[FileRecord]:
-        """Delete from the index the files no node references; return their records.
-
-        The caller unlinks them once the transaction has committed (or, for a
-        quarantined file, moves it aside).
-        """
-        dropped = []
-        for fid in self.index.unreferenced_files(conn):  # type: ignore[arg-type]
-            rec = self.records.get(fid) or self.index.file(fid)
-            self.index.delete_file(conn, fid)  # type: ignore[arg-type]
-            self._drop_record(fid)
-            if rec is not None:
-                dropped.append(rec)
-        return dropped
-
-    def drop_file_if_unreferenced(self, conn: object, file_id: int) -> FileRecord | None:
-        """`drop_unreferenced_files` for one file (an indexed lookup, not a scan)."""
-        # a file another process added is read before its row goes; a loaded one only if it
-        # is dropped (most leaves share their file with another node)
-        rec = None if file_id in self.records else self.index.file(file_id)
-        if not self.index.delete_file_if_unreferenced(conn, file_id):  # type: ignore[arg-type]
-            return None
-        return self._drop_record(file_id) or rec
 
     def indexed(self, file_ids: Iterable[int]) -> bool:
         """Whether every file of ``file_ids`` is in the index now (one look at other

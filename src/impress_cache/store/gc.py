@@ -18,6 +18,7 @@ from ..index.sqlite import WAL_LIMIT, FileRecord
 from ..storage.base import KV, PROBE, BlockKey
 from ..tiers import TierManager
 from .catalog import Catalog
+from .changes import TreeChanges
 from .chunkfiles import FILE_NAME
 from .leftovers import move_aside
 from .leases import GRACE, LEASED, LeaseTable
@@ -51,6 +52,8 @@ class StoreGC:
         self._values = values
         self._clock = clock
         self.counters = GCCounters()
+        #: the store was found over its budget with nothing left to remove (warned once)
+        self._warned_over = False
         catalog.evictor = self.evict_within
 
     # -- damaged files ---------------------------------------------------------------
@@ -61,21 +64,25 @@ class StoreGC:
         from the index; later requests recompute those tokens. A file that is no longer
         in the index and that no node needs (rewritten or evicted, by this or another
         process, since a request matched it) is not damaged: nothing is counted and the
-        result is False.
+        result is False. The tree and the file table change only once the removal has
+        committed (`TreeChanges`); an exception means nothing changed.
         """
         catalog = self._catalog
         if catalog.index.read_only:
             self._forget_in_memory(file_id, reason)
             return True
         with catalog.lock:
-            try:
-                with catalog.transaction() as conn:
-                    removed = self._remove_dependents(file_id, lambda node: catalog.remove(conn, node))
-                    record = catalog.records.get(file_id) or catalog.index.file(file_id)
-                    dropped = catalog.drop_unreferenced_files(conn)
-            except BaseException:
-                catalog.reload_tree()
-                raise
+            changes = TreeChanges()
+            with catalog.transaction() as conn:
+                for node in self._dependents(file_id):
+                    changes.remove_leaf(catalog, conn, node)
+                removed = [node.id for node in changes.removed]
+                record = catalog.records.get(file_id) or catalog.index.file(file_id)
+                dropped = changes.drop_unreferenced_files(catalog, conn)
+            try:  # committed
+                catalog.apply(changes)
+            except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
+                catalog.after_commit_failed("a quarantine's tree update", exc)
             self._values.forget(removed)
             for rec in dropped:
                 if rec.id != file_id:
@@ -97,27 +104,33 @@ class StoreGC:
         """Quarantine in a read-only store: this process stops using the file's nodes."""
         catalog = self._catalog
         with catalog.lock:
-            removed = self._remove_dependents(file_id, catalog.tree.remove)
+            removed = []
+            for node in self._dependents(file_id):
+                catalog.tree.remove(node)
+                removed.append(node.id)
             catalog.forget({file_id})
             self._values.forget(removed)
             self.counters.quarantined_files += 1
         log.warning("read-only store: not using chunk file %s any more (%s)", file_id, reason)
 
-    def _remove_dependents(self, file_id: int, remove: Callable[[RadixNode], None]) -> list[int]:
-        """Remove (``remove``, children first) the nodes stored in ``file_id`` and every
-        node below them; returns their ids. Under the catalog lock."""
+    def _dependents(self, file_id: int) -> list[RadixNode]:
+        """The nodes stored in ``file_id`` and every node below them, children before
+        their parents, each once. Under the catalog lock."""
         tree = self._catalog.tree
-        removed: list[int] = []
+        out: list[RadixNode] = []
+        seen: set[int] = set()
         for top in [n for n in tree.nodes() if n.file_id == file_id]:
-            if tree.get(top.id) is not top:
-                continue  # already removed as part of another subtree
-            for node in tree.subtree(top):
-                remove(node)
-                removed.append(node.id)
-        return removed
+            if top.id in seen:
+                continue  # part of another one's subtree (nodes() lists parents first)
+            sub = tree.subtree(top)
+            seen.update(n.id for n in sub)
+            out.extend(sub)
+        return out
 
     # -- disk budget -----------------------------------------------------------------
-    def enforce(self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False) -> dict[str, int]:
+    def enforce(
+        self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False, written: int | None = None
+    ) -> dict[str, int]:
         """Remove the least valuable stored prefixes until the store fits ``budget``.
 
         The store's size is what it puts on disk (`Catalog.disk_bytes`): every indexed
@@ -127,7 +140,8 @@ class StoreGC:
         counts as that size, so the WAL's growth between two calls stays in budget.
 
         Candidates are the radix-tree leaves (whole stored prefixes, or their unshared
-        tails) that are not in ``protect`` (the prefix just written). They come from the
+        tails) that are not in ``protect`` nor ``written`` (the leaf of the prompt just
+        written: kept over the budget only if it lives in one file, see `_spread`). They come from the
         eviction heap of `NodeValues` in order of value (the node's policy priority:
         IMPRESS score, recency or access count of the requests that reused it), lowest
         first, ties by node id. A leaf whose file a request has leased is never removed;
@@ -147,7 +161,7 @@ class StoreGC:
         catalog = self._catalog
         if budget is None:
             return {**result, "disk_bytes": catalog.disk_bytes(), "budget": -1}
-        protected = set(protect)
+        protected = set(protect) | ({written} if written is not None else set())
         self._start_order()
         bound = wal_bound(budget)
         if not fresh or catalog.stale:  # (a tree left stale by a failed reload is reloaded now)
@@ -157,12 +171,35 @@ class StoreGC:
         if wal <= bound and size + bound - wal <= budget:  # (usually: the write's own removals did it)
             return {**result, "disk_bytes": size, "budget": budget}
         self._trim_wal(bound)
-        stuck = False
+        stuck = self._evict_until(budget, bound, protected, result)
+        if stuck and written is not None and self._used(bound) > budget and self._spread(written):
+            # a budget below what the prompt just written needs: it stays only if it lives
+            # in one file (at most one prompt over the budget), else it goes too
+            stuck = self._evict_until(budget, bound, protected - {written}, result)
+        self._trim_wal(bound)
+        after = catalog.disk_bytes(catalog.index.wal_bytes())
+        if stuck and after > budget:
+            (log.warning if not self._warned_over else log.debug)(
+                "the store takes %d bytes, over disk_bytes=%d, but every remaining prefix is in use "
+                "or was just written (said once per store; later at debug level)", after, budget,
+            )
+            self._warned_over = True
+        if result["removed_prefixes"]:
+            log.info(
+                "disk budget: removed %d prefix node(s) and %d file(s), freed %d bytes; %d of %d bytes used",
+                result["removed_prefixes"], result["removed_files"], result["freed_bytes"], after, budget,
+            )
+        return {**result, "disk_bytes": after, "budget": budget}
+
+    def _evict_until(self, budget: int, bound: int, protected: set[int], result: dict[str, int]) -> bool:
+        """`enforce`'s removals, a batch per transaction, until the store fits ``budget``;
+        adds them to ``result``; returns whether it ran out of candidates."""
+        catalog = self._catalog
         while True:
             catalog.refresh()
             used = self._used(bound)  # a stat, outside the lock requests take
             if used <= budget:
-                break
+                return False
             with catalog.lock:
                 removal, stuck = self._evict_batch(budget, bound, protected)
             removal.release()  # (unlinks and counts)
@@ -170,20 +207,16 @@ class StoreGC:
             result["removed_files"] += len(removal.dropped)
             result["freed_bytes"] += removal.freed
             if stuck or len(removal.victims) < BATCH:
-                break
-        self._trim_wal(bound)
-        after = catalog.disk_bytes(catalog.index.wal_bytes())
-        if stuck and after > budget:
-            log.warning(
-                "the store takes %d bytes, over disk_bytes=%d, but every remaining prefix is in use "
-                "or was just written", after, budget,
-            )
-        if result["removed_prefixes"]:
-            log.info(
-                "disk budget: removed %d prefix node(s) and %d file(s), freed %d bytes; %d of %d bytes used",
-                result["removed_prefixes"], result["removed_files"], result["freed_bytes"], after, budget,
-            )
-        return {**result, "disk_bytes": after, "budget": budget}
+                return stuck
+
+    def _spread(self, leaf_id: int) -> bool:
+        """Whether the prompt ending at ``leaf_id`` needs more than one chunk file: it
+        extends a prefix stored in an older file, which may also hold rows no node uses
+        any more (the tail of a prompt evicted since). Kept under a budget below one
+        prompt, such a prompt would hold the store over budget by more than one prompt."""
+        with self._catalog.lock:
+            node = self._catalog.tree.get(leaf_id)
+            return node is not None and len({n.file_id for n in node.path()}) > 1
 
     def _used(self, wal_room: int) -> int:
         """What the budget compares: the store's bytes on disk, with ``wal_room`` bytes
@@ -207,23 +240,25 @@ class StoreGC:
         until the store, with the ``adding`` bytes of the file being committed, fits
         ``budget`` (at most `BATCH`; `enforce` after the write does the rest). Their
         removal commits with the write: no transaction, lock or statement of its own but
-        two per leaf. Returns what to do once committed (``None``: nothing removed)."""
+        two per leaf. Returns what to do once committed (`Removal.settle`) or rolled back
+        (`Removal.abandon`); ``None``: nothing removed."""
         self._start_order()
         used = self._used(wal_bound(budget)) + adding
         if used <= budget:
             return None
-        victims, dropped, back, _ = self._remove_leaves(conn, budget, used, keep)
-        if not victims:
-            self._values.push(back)
+        removal, _ = self._remove_leaves(conn, budget, used, keep)
+        if not removal.victims:
+            self._values.push(removal.back)
             return None
-        return Removal(self, victims, dropped, back)
+        return removal
 
     def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[Removal, bool]:
         """Up to `BATCH` removals in one index transaction (under the catalog lock), for
         what the store takes as measured inside that transaction. Returns them, settled
         (`Removal.release` is the caller's, outside the lock), and whether it ran out of
-        candidates."""
+        candidates. The tree changes only once the transaction has committed."""
         catalog = self._catalog
+        removal: Removal | None = None
         try:
             # durable before its files are unlinked (a removal a power cut undid would
             # leave rows whose file is gone); refreshed under the write lock: what other
@@ -231,58 +266,63 @@ class StoreGC:
             # another process extended meanwhile is seen to have children
             with catalog.transaction() as conn:
                 used = self._used(wal_room)
-                victims, dropped, back, exhausted = self._remove_leaves(conn, budget, used, protected)
+                removal, exhausted = self._remove_leaves(conn, budget, used, protected)
         except BaseException:
-            catalog.reload_tree()
+            if removal is not None:
+                removal.abandon()
             raise
-        removal = Removal(self, victims, dropped, back)
         try:
             removal.settle()
         except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
             catalog.after_commit_failed("the disk budget's bookkeeping", exc)
         return removal, exhausted
 
-    def _remove_leaves(
-        self, conn: object, budget: int, used: int, protected: set[int]
-    ) -> tuple[list[int], list[FileRecord], list[int], bool]:
-        """Remove free leaves, lowest value first, while ``used`` bytes exceed ``budget``
-        (at most `BATCH`), inside ``conn``'s transaction. Returns the leaves removed, the
-        files dropped with them, the popped candidates to put back on the heap and
-        whether none was left."""
+    def _remove_leaves(self, conn: object, budget: int, used: int, protected: set[int]) -> tuple[Removal, bool]:
+        """Remove free leaves from the index, lowest value first, while ``used`` bytes
+        exceed ``budget`` (at most `BATCH`), inside ``conn``'s transaction; the tree is
+        read through the removals (a parent whose children all went is a candidate) and
+        not changed. Returns the removal (for after the commit or the rollback) and
+        whether no candidate was left."""
         catalog = self._catalog
+        changes = TreeChanges()
         now = self._clock()
         seen: set[int] = set()
         aside: list[int] = []  # popped, not taken: back onto the heap afterwards
         grace: list[tuple[tuple[float, int], int, RadixNode]] = []  # heap: free but for the grace period
         victims: list[int] = []
-        dropped: list[FileRecord] = []
         exhausted = False
-        while used > budget and len(victims) < BATCH:
-            node = self._next_candidate(protected, now, seen, aside, grace)
-            if node is None:
-                exhausted = True
-                break
-            catalog.remove(conn, node)
-            victims.append(node.id)
-            rec = catalog.drop_file_if_unreferenced(conn, node.file_id)
-            if rec is not None:
-                dropped.append(rec)
-                used -= rec.file_bytes
-        return victims, dropped, aside + [item[1] for item in grace], exhausted
+        try:
+            while used > budget and len(victims) < BATCH:
+                node = self._next_candidate(changes, protected, now, seen, aside, grace)
+                if node is None:
+                    exhausted = True
+                    break
+                parent = changes.remove_leaf(catalog, conn, node)
+                victims.append(node.id)
+                if parent is not None:
+                    self._values.push((parent.id,))  # a candidate of this batch already
+                rec = changes.drop_file_if_unreferenced(catalog, conn, node.file_id)
+                if rec is not None:
+                    used -= rec.file_bytes
+        except BaseException:  # (the transaction rolls back)
+            Removal(self, changes, aside + [item[1] for item in grace]).abandon()
+            raise
+        return Removal(self, changes, aside + [item[1] for item in grace]), exhausted
 
     def _next_candidate(
-        self, protected: set[int], now: float, seen: set[int], aside: list[int],
+        self, changes: TreeChanges, protected: set[int], now: float, seen: set[int], aside: list[int],
         grace: list[tuple[tuple[float, int], int, RadixNode]],
     ) -> RadixNode | None:
-        """The free leaf with the lowest value; when the heap has none left, the lowest
-        one held only by its grace period; ``None`` when nothing can go."""
+        """The free leaf (once ``changes`` commit) with the lowest value; when the heap has
+        none left, the lowest one held only by its grace period; ``None`` when nothing
+        can go."""
         tree = self._catalog.tree
         while True:
             node_id = self._values.pop()
             if node_id is None:
                 return heapq.heappop(grace)[2] if grace else None
             node = tree.get(node_id)
-            if node_id in seen or node is None or node.children or node.parent is None:
+            if node_id in seen or node is None or node.parent is None or not changes.is_leaf(node):
                 continue  # a duplicate, or no longer a leaf of the tree
             seen.add(node_id)
             if node_id in protected:
@@ -298,19 +338,31 @@ class StoreGC:
 
 
 class Removal:
-    """Leaves removed in an index transaction, for after its commit."""
+    """Leaves (and the files only they used) removed in an index transaction: applied to
+    the tree after its commit (`settle`), or handed back to the eviction order after its
+    rollback (`abandon`)."""
 
-    def __init__(self, gc: StoreGC, victims: list[int], dropped: list[FileRecord], back: list[int]) -> None:
-        self.gc, self.victims, self.dropped, self.back = gc, victims, dropped, back
+    def __init__(self, gc: StoreGC, changes: TreeChanges, back: list[int]) -> None:
+        self.gc, self.changes, self.back = gc, changes, back
+        self.victims = [node.id for node in changes.removed]
+        self.dropped = changes.dropped
 
     def settle(self) -> None:
-        """Under the catalog lock: forget the leaves and files, put the candidates passed
-        over back on the heap."""
+        """Under the catalog lock, once the transaction has committed: take the leaves
+        and files out of the tree and the file table, forget them, put the candidates
+        passed over back on the heap."""
         gc = self.gc
+        gc._catalog.apply(self.changes)
         gc._values.forget(self.victims)
         # a node passed over may have been split by the write meanwhile: its id is gone
         gc._values.push([n for n in self.back if gc._catalog.tree.get(n) is not None])
         gc._catalog.forget({rec.id for rec in self.dropped}, self.dropped)
+
+    def abandon(self) -> None:
+        """Under the catalog lock, after the transaction rolled back: nothing changed in the
+        tree; the leaves taken and the candidates passed over go back on the heap."""
+        tree = self.gc._catalog.tree
+        self.gc._values.push([n for n in self.victims + self.back if tree.get(n) is not None])
 
     @property
     def freed(self) -> int:

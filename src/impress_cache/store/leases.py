@@ -119,7 +119,10 @@ class Unlinker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="impress-unlink", daemon=True)
                 self._thread.start()
-            if len(self._names) >= BATCH_WAKE:
+            # the first name wakes the thread from its wait for work (it then lets more gather
+            # for `UNLINK_EVERY_S`); `BATCH_WAKE` names cut that short. Woken by neither, the
+            # thread slept until a drain or close, and evicted files stayed on disk meanwhile
+            if len(self._names) == 1 or len(self._names) >= BATCH_WAKE:
                 self._cv.notify_all()
 
     def _run(self) -> None:
@@ -143,7 +146,9 @@ class Unlinker:
                 self._busy = False
                 self._cv.notify_all()
 
-    def drain(self) -> None:
+    def drain(self, report: bool = True) -> None:
+        """Wait until every file handed over is gone; raise the first failure since the
+        last drain (``report=False``: leave it for the next drain that reports)."""
         with self._cv:
             self._draining += 1
             try:
@@ -153,6 +158,8 @@ class Unlinker:
                     self._cv.wait(DRAIN_POLL_S)
             finally:
                 self._draining -= 1
+            if not report:
+                return
             error, self._error = self._error, None
         if error is not None:
             raise error

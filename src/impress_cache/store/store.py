@@ -386,7 +386,8 @@ class ImpressStore:
                     self.tiers.seed((file_id, KV, layer, b), 1.0)
         if self.config.disk_bytes is not None:
             try:
-                self._gc.enforce(self.config.disk_bytes, () if leaf is None else (leaf.id,), fresh=True)
+                self._gc.enforce(self.config.disk_bytes, fresh=True, written=None if leaf is None else leaf.id)
+                self._leases.unlinker.drain(report=False)  # what it evicted is gone when the write returns
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
         self._remote.push(leaf if push else None)  # upload what this host wrote
