@@ -98,6 +98,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-before": BEFORE,  # the defaults before issue 14
     "full-refresh": {"guard_margin": 0.0},  # defaults without the guard
     "keep": {"decode": "keep", "important_ratio": 0.25},
+    # the two ways of scoring the prefix (`block_scores`), whatever the default
+    "keep-rows": {"decode": "keep", "important_ratio": 0.25, "block_scores": "rows"},
+    "keep-bounds": {"decode": "keep", "important_ratio": 0.25, "block_scores": "bounds"},
+    "full-rows": {"block_scores": "rows"},
+    "full-bounds": {"block_scores": "bounds"},
     "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
     "keep-reselect1-d0": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1, "keep_reselect_decay": 0.0},
     "keep-reselect4": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 4},
@@ -395,7 +400,7 @@ def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
         cfg: dict[str, Any] = {}
         for kv in kvs.split(","):
             k, v = kv.split("=")
-            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed") else v
+            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed", "rows", "bounds") else v
         out[name] = cfg
     return out
 
