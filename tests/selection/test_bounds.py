@@ -150,3 +150,34 @@ def test_bounds_fall_back_per_head_when_the_heads_disagree():
     # a probe copy without every KV head: the whole layer is read, as with row scores
     sel, read, _, _ = _select(planted, threshold=1.1, probe_kv=(0,))
     assert sel.fell_back and read == set(range(P // CT))
+
+
+def test_the_probe_loader_computes_the_bounds_of_files_written_without_them(tmp_path):
+    """Chunk files hold no summaries (files written before `block_scores` work as they
+    are): the probe loader computes them from the decoded probe copy, per batch row and
+    layer, only for ``block_scores="bounds"``."""
+    from conftest import tiny_model
+    from helpers import run, tokens
+    from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+    from impress_cache.hf.loaders import ProbeLoader
+    from impress_cache.stats import RequestStats
+
+    model = tiny_model("llama")
+    doc = tokens(1, 200)
+    with ImpressStore(tmp_path, model, ImpressConfig(important_ratio=1.0, chunk_tokens=16)) as store:
+        run(model, doc.unsqueeze(0), cache=ImpressCache(store))
+    for scores in ("rows", "bounds"):
+        cfg = ImpressConfig(important_ratio=0.25, chunk_tokens=16, block_scores=scores, host_bytes=0, device_bytes=0)
+        with ImpressStore(tmp_path, model, cfg) as store:
+            lay = store.layout(store.match(doc.tolist()).segments)
+            loader = ProbeLoader(store, [lay], RequestStats())
+            for layer in range(2):
+                keys = loader.layer(layer)[0]
+                got = loader.layer_summaries(layer)
+                if scores == "rows":
+                    assert got is None
+                    continue
+                want = block_summaries(keys, *lay.at(layer).unit_table())
+                assert got is not None and torch.equal(got[0].lo, want.lo) and torch.equal(got[0].hi, want.hi)
+                assert got[0].lo.shape == (len(store.probe.kv_heads), 13, keys.shape[-1])  # 200 rows: 13 units
+                assert loader.layer_summaries(layer) is None  # the layer took them
