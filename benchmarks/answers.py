@@ -99,6 +99,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full-before": BEFORE,  # the defaults before issue 14
     "full-refresh": {"important_ratio": 0.2, "guard_margin": 0.0},  # the sparse path without the guard
     "keep": {"decode": "keep", "important_ratio": 0.25},
+    # the two ways of scoring the prefix (`block_scores`), whatever the default
+    "keep-rows": {"decode": "keep", "important_ratio": 0.25, "block_scores": "rows"},
+    "keep-bounds": {"decode": "keep", "important_ratio": 0.25, "block_scores": "bounds"},
+    "full-rows": {"block_scores": "rows"},
+    "full-bounds": {"block_scores": "bounds"},
     "keep-reselect1": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1},
     "keep-reselect1-d0": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 1, "keep_reselect_decay": 0.0},
     "keep-reselect4": {"decode": "keep", "important_ratio": 0.25, "keep_reselect": 4},
@@ -396,7 +401,7 @@ def parse_variants(names: list[str]) -> dict[str, dict[str, Any]]:
         cfg: dict[str, Any] = {}
         for kv in kvs.split(","):
             k, v = kv.split("=")
-            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed") else v
+            cfg[k] = json.loads(v) if v not in ("full", "keep", "block", "token", "random", "recent", "h2o", "next", "agreed", "rows", "bounds") else v
         out[name] = cfg
     return out
 

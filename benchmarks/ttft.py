@@ -21,6 +21,8 @@ medians are reported:
 * ``impress_0.25_keep`` / ``impress_0.25_full``: sparse loading, decode against the
   selected rows or the whole prefix (the first token comes from the sparse prefill in
   both; ``full`` reads the rest afterwards, not counted here);
+* ``impress_0.25_keep_rows`` / ``impress_0.25_keep_bounds``: ``keep`` with every prefix row
+  scored, or every block by its probe keys' per-channel bounds (``block_scores``);
 * ``impress_0.25_prefetch`` / ``impress_0.25_agreed``: ``keep`` with ``prefetch="next"``
   (each layer starts reading the next layer's copies of the blocks it chose) or
   ``"agreed"`` (only those the layer before chose as well); the hit rate is reported;
@@ -68,6 +70,9 @@ IMPRESS = {
     "impress_defaults": {**TIERS_OFF},
     "impress_0.25_keep": {"important_ratio": 0.25, "decode": "keep", **TIERS_OFF},
     "impress_0.25_full": {"important_ratio": 0.25, "decode": "full", **TIERS_OFF},
+    # the two ways of scoring the prefix (`block_scores`), whatever the default
+    "impress_0.25_keep_rows": {"important_ratio": 0.25, "decode": "keep", "block_scores": "rows", **TIERS_OFF},
+    "impress_0.25_keep_bounds": {"important_ratio": 0.25, "decode": "keep", "block_scores": "bounds", **TIERS_OFF},
     "impress_0.25_prefetch": {"important_ratio": 0.25, "decode": "keep", "prefetch": "next", **TIERS_OFF},
     "impress_0.25_agreed": {"important_ratio": 0.25, "decode": "keep", "prefetch": "agreed", **TIERS_OFF},
     "impress_1.0_memory": {"important_ratio": 1.0, **MEMORY},

@@ -27,6 +27,8 @@ from impress_cache import ConfigError, ImpressConfig, ImpressStore
         ({"fsync": "yes"}, "fsync"),
         ({"probe_dtype": "int2"}, "probe_dtype"),
         ({"selection": "h20"}, "selection"),
+        ({"block_scores": "minmax"}, "block_scores"),
+        ({"block_scores": None}, "block_scores"),
         ({"refresh_new_tokens": 1}, "refresh_new_tokens"),
         ({"guard_margin": -0.1}, "guard_margin"),
         ({"guard_margin": float("nan")}, "guard_margin"),

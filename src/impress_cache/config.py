@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .probe import ENCODINGS
-from .selection.modes import SELECTION_MODES
+from .selection.modes import BLOCK_SCORES, SELECTION_MODES
 from .tiers.policies import POLICIES
 from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
 from .validate import (
@@ -81,6 +81,15 @@ class ImpressConfig:
         holding them). ``"random"``, ``"recent"`` (sinks + most recent rows) and ``"h2o"``
         (read all keys, top-k by accumulated attention) are same-budget baselines for
         benchmarks.
+    block_scores:
+        How ``"block"`` and ``"token"`` selection score the prefix with the probe keys.
+        ``"rows"``: every prefix row with every query head of the probed KV groups
+        (softmax column sums; costs about what the layer's attention costs).
+        ``"bounds"``: every unit (the part of a stored block the prefix covers) by an
+        upper bound of ``q . k`` over its keys from their per-channel minimum and maximum
+        (Quest-style; about ``P / chunk_tokens`` summaries per layer instead of ``P``
+        rows); its rows share the unit's score. The summaries are computed from the
+        decoded probe copy on the loader thread, ahead of the layers.
     decode:
         ``"full"`` decodes against the whole prefix, ``"keep"`` against the selected
         rows only.
@@ -231,6 +240,7 @@ class ImpressConfig:
     similarity_alpha: float = 0.6
     similarity_threshold: float | None = None
     selection: str = "block"
+    block_scores: str = "rows"
     decode: str = "full"
     refresh_new_tokens: bool = True
     guard_margin: float = 0.5
@@ -278,6 +288,7 @@ class ImpressConfig:
         if self.similarity_threshold is not None:
             check_unit("similarity_threshold", self.similarity_threshold)
         check_choice("selection", self.selection, SELECTION_MODES)
+        check_choice("block_scores", self.block_scores, BLOCK_SCORES)
         check_choice("probe_dtype", self.probe_dtype, ENCODINGS)
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)

@@ -45,10 +45,10 @@ def _masked_reference(model, ids, mask2d, reused, selected_per_row, kv_heads):
     return out.logits[:, reused:]
 
 
-@pytest.mark.parametrize("selection", ["token", "block"])
+@pytest.mark.parametrize("selection, block_scores", [("token", "rows"), ("block", "rows"), ("block", "bounds")])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
+def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, block_scores, padded):
     model = tiny_model(arch, "eager", num_hidden_layers=1)
     a, b = _tok(1, 200), _tok(2, 150)
     cfg_dense = ImpressConfig(chunk_tokens=16, important_ratio=1.0)
@@ -59,7 +59,10 @@ def test_sparse_prefill_equals_masked_dense(tmp_path, arch, selection, padded):
     if padded:
         rows.append(torch.cat([b, _tok(4, NEW)]))
     ids, mask = left_pad(rows)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.3, selection=selection, decode="keep", similarity_threshold=0.0)
+    cfg = ImpressConfig(
+        chunk_tokens=16, important_ratio=0.3, selection=selection, decode="keep", similarity_threshold=0.0,
+        block_scores=block_scores,
+    )
     with ImpressStore(tmp_path, model, cfg) as store:
         cache = ImpressCache(store, ids, attention_mask=mask)
         reused = cache.reused_tokens

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import probe as probe_codec
+from ..selection.bounds import BlockSummaries, block_summaries
 from ..stats import RequestStats
 from ..storage.base import KV, PROBE
 from ..store.blockset import ReadStats
@@ -222,6 +223,11 @@ class ProbeLoader:
         #: with ``keep_raw``: per layer, per batch row, the encoded probe rows (``decode``
         #: turns them into keys again; a fraction of the decoded keys' memory)
         self.raw: dict[int, list[torch.Tensor | None]] | None = {} if keep_raw else None
+        #: with ``block_scores="bounds"``: per layer, per batch row, the units' key bounds,
+        #: computed here with the decoded keys (off the layers' path); taken by the layer
+        self.summaries: dict[int, list[BlockSummaries | None]] | None = (
+            {} if store.config.block_scores == "bounds" and store.config.selection in ("block", "token") else None
+        )
         self._bg = _Background(store, store.spec.num_layers, self._decode, self._start)
 
     def _start(self, layer: int) -> tuple[int, list[_RowRead | None]]:
@@ -233,19 +239,25 @@ class ProbeLoader:
         layer, reads = started
         out: list[torch.Tensor | None] = []
         raws: list[torch.Tensor | None] = []
+        bounds: list[BlockSummaries | None] = []
         for row in reads:
             if row is None:
                 out.append(None)
                 raws.append(None)
+                bounds.append(None)
                 continue
             view, units, read = row
             blocks = read.result()
             raw = view.gather_rows(units, blocks)
             raws.append(raw)
-            out.append(self.decode(raw))
+            keys = self.decode(raw)
+            out.append(keys)
+            bounds.append(block_summaries(keys, *view.unit_table()) if self.summaries is not None else None)
             self.read.add(blocks.stats)
         if self.raw is not None:
             self.raw[layer] = raws
+        if self.summaries is not None:
+            self.summaries[layer] = bounds
         return out
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:
@@ -258,6 +270,11 @@ class ProbeLoader:
         keys, waited = self._bg.get(layer)
         self._stats.probe_seconds += waited
         return keys
+
+    def layer_summaries(self, layer: int) -> list[BlockSummaries | None] | None:
+        """Per batch row, the key bounds of ``layer``'s units (after `layer`; ``None``
+        unless ``block_scores="bounds"``). The layer owns them afterwards."""
+        return None if self.summaries is None else self.summaries.pop(layer, None)
 
     def cancel(self) -> None:
         self._bg.cancel()

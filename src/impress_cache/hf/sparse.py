@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import CacheUsageError, CorruptBlockError
+from ..selection.bounds import BlockSummaries
 from ..selection.modes import BASELINES
 from ..selection.selectors import RowSelection, select_row, top_masks
 from ..stats import RequestStats
@@ -103,6 +104,7 @@ class SparsePrefill:
             queries = key_states.new_zeros(key_states.shape[0], 1, 1, 1)
         io0 = self.stats.io_wait_seconds
         probes = self.probes.layer(layer_idx) if self.probes is not None and recomputed is None else None
+        bounds = self.probes.layer_summaries(layer_idx) if probes is not None and self.probes is not None else None
         t1 = time.perf_counter()
         if recomputed is not None:
             self.stats.recomputed_layers += 1
@@ -118,7 +120,10 @@ class SparsePrefill:
             if lay is None:
                 continue
             mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
-            sel = self._select_row(layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem, mode)
+            sel = self._select_row(
+                layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem, mode,
+                None if bounds is None else bounds[src],
+            )
             k_i = sel.keys.shape[1]
             if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
                 buf[:, i, :, : self.k - k_i] = 0
@@ -184,6 +189,7 @@ class SparsePrefill:
         probe_keys: torch.Tensor | None,
         mem: tuple[torch.Tensor, torch.Tensor] | None,
         mode: str | None = None,
+        summaries: BlockSummaries | None = None,
     ) -> RowSelection:
         store, cfg = self.store, self.store.config
         mode = mode or cfg.selection
@@ -215,6 +221,8 @@ class SparsePrefill:
             fixed_threshold=cfg.similarity_threshold,
             seed=layer_idx,
             keep=(cfg.keep_sinks, cfg.keep_recent),
+            block_scores=cfg.block_scores,
+            summaries=summaries,
         )
 
     def _read_units(

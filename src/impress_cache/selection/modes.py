@@ -8,3 +8,7 @@ SELECTORS: tuple[str, ...] = ("block", "token")
 BASELINES: tuple[str, ...] = ("random", "recent", "h2o")
 #: every value ``ImpressConfig.selection`` accepts
 SELECTION_MODES: tuple[str, ...] = SELECTORS + BASELINES
+#: how ``"block"`` and ``"token"`` selection score the prefix: ``"rows"`` every row with
+#: the probed query heads, ``"bounds"`` every unit (block) by its probe keys' per-channel
+#: minimum and maximum
+BLOCK_SCORES: tuple[str, ...] = ("bounds", "rows")

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..store.blockset import BlockSet, ReadStats
 from ..store.layout import LayerView
+from .bounds import BlockSummaries, block_summaries, take_units, unit_row_scores, unit_scores
 from .modes import BASELINES
 from .scores import mean_jaccard_of, column_sums, select_units, similarity_threshold, topk_indices, vote
 
@@ -125,6 +127,71 @@ def probe_scores(
     return per_q.view(len(probe_kv_heads), group, p).sum(dim=1)
 
 
+def bound_unit_scores(
+    queries: torch.Tensor, kv_heads: int, probe_keys: torch.Tensor | None, probe_kv_heads: Sequence[int],
+    layout: LayerView, summaries: BlockSummaries | None = None,
+) -> torch.Tensor:
+    """``[len(probe_kv_heads), units]`` scores of the layer's units from the key bounds
+    (`selection.bounds`) for ``[Hq, n, D]`` queries of a model with ``kv_heads`` KV heads.
+    The summaries are computed from ``probe_keys`` when not given."""
+    if summaries is None:
+        assert probe_keys is not None
+        summaries = block_summaries(probe_keys, *layout.unit_table())
+    group = queries.shape[0] // kv_heads
+    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
+    return unit_scores(queries[q_heads], summaries)
+
+
+def select_by_bounds(
+    *,
+    queries: torch.Tensor,
+    new_keys: torch.Tensor,
+    probe_keys: torch.Tensor | None,
+    probe_kv_heads: Sequence[int],
+    layout: LayerView,
+    k: int,
+    read_units: ReadUnits,
+    threshold: tuple[float, float | None],
+    forced: torch.Tensor | None,
+    summaries: BlockSummaries | None,
+) -> RowSelection:
+    """``mode="block"`` with ``block_scores="bounds"``: everything on unit scores. The
+    agreement of the probe heads is the Jaccard similarity of their top units (as many as
+    ``k`` rows take), against the threshold of that many of the present units."""
+    hkv = new_keys.shape[0]
+    p = layout.length
+    count = layout.unit_count
+    scores = bound_unit_scores(queries, hkv, probe_keys, probe_kv_heads, layout, summaries)  # [H, U]
+    n_units = scores.shape[1]
+    present = int((count > 0).sum())
+    k_u = min(present, max(1, math.ceil(k * present / p)))
+    alpha, fixed = threshold
+    thr = fixed if fixed is not None else similarity_threshold(k_u, present, alpha)
+    sim = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k_u), n_units)[0]) if scores.shape[0] > 1 else 1.0
+    ranking_u = normalised_sum(scores)  # [U]
+    ranking = unit_row_scores(ranking_u.unsqueeze(0), layout.unit_of, count)[0]
+    combined = ranking_u
+    if forced is not None:
+        forced_units = torch.unique(layout.unit_of[forced])
+        scores = scores.clone()
+        scores[:, forced_units] += 1e9
+        combined = ranking_u.clone()
+        combined[forced_units] += 1e9
+    if sim >= thr:
+        rows = take_units(combined, layout.unit_of, count, k)
+        return load_rows(layout, rows, read_units, sim, thr, False, ranking)
+    if list(probe_kv_heads) == list(range(hkv)):
+        rows = torch.stack([take_units(scores[h], layout.unit_of, count, k) for h in range(hkv)])
+        return load_rows(layout, rows, read_units, sim, thr, True, ranking)
+    units, blocks, full_k = read_all(layout, read_units)
+    full_scores = kv_head_scores(queries, full_k, new_keys)  # [Hkv, P]
+    if forced is not None:
+        full_scores[:, forced] += 1e9
+    rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
+    keys, values = layout.gather(units, blocks, rows)
+    return RowSelection(keys, values, sim, thr, True, rows, blocks.stats, ranking)
+
+
 def select_row(
     *,
     queries: torch.Tensor,
@@ -139,6 +206,8 @@ def select_row(
     fixed_threshold: float | None = None,
     seed: int = 0,
     keep: tuple[int, int] = (0, 0),
+    block_scores: str = "rows",
+    summaries: BlockSummaries | None = None,
 ) -> RowSelection:
     """Select and load ``k`` prefix rows of one layer for one batch row.
 
@@ -172,6 +241,14 @@ def select_row(
         ``(sinks, recent)``: the first ``sinks`` and last ``recent`` rows are always
         selected (they rank above every scored row; they count against ``k``); the
         baselines ignore it.
+    block_scores:
+        ``"rows"``: score every prefix row with the probed query heads (`probe_scores`);
+        ``"bounds"``: score each unit by the per-channel bounds of its probe keys
+        (`bound_unit_scores`; in block mode the whole selection works on units,
+        `select_by_bounds`; in token mode the rows share their unit's score).
+    summaries:
+        With ``"bounds"``: the units' key bounds, if already computed (for example by the
+        probe loader); otherwise they are computed from ``probe_keys``.
     """
     if mode in BASELINES:
         from .baselines import select_baseline
@@ -181,7 +258,17 @@ def select_row(
     p = layout.length
     if not 1 <= k <= p:
         raise ValueError(f"k={k} must be in [1, P={p}]")
-    scores = probe_scores(queries, new_keys, probe_keys, probe_kv_heads)  # [probed KV heads, P]
+    if block_scores == "bounds" and mode == "block":
+        return select_by_bounds(
+            queries=queries, new_keys=new_keys, probe_keys=probe_keys, probe_kv_heads=probe_kv_heads, layout=layout,
+            k=k, read_units=read_units, threshold=(alpha, fixed_threshold), forced=kept_rows(p, *keep),
+            summaries=summaries,
+        )
+    if block_scores == "bounds":  # token mode: the units' scores shared by their rows
+        per_unit = bound_unit_scores(queries, hkv, probe_keys, probe_kv_heads, layout, summaries)
+        scores = unit_row_scores(per_unit, layout.unit_of, layout.unit_count)
+    else:
+        scores = probe_scores(queries, new_keys, probe_keys, probe_kv_heads)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
     similarity = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k), p)[0]) if scores.shape[0] > 1 else 1.0
     ranking = normalised_sum(scores)

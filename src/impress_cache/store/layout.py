@@ -132,6 +132,22 @@ class LayerView:
                                   np.diff(np.r_[first, self.length]).tolist()))
         else:
             self._runs = []
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def unit_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([units, S] positions, [units] present)``, computed once: for every unit and
+        every row of its block a position of this layer inside that unit (the row's own
+        position when the prefix holds it, otherwise another position of the same unit,
+        which changes neither a minimum nor a maximum over the unit). Units without a
+        position in this layer point at position 0 and are marked absent."""
+        if self._table is None:
+            n_units, p = len(self.units), self.length
+            s = int(self.row_of.max()) + 1 if p else 1
+            table = torch.full((n_units, s), -1, dtype=torch.long)
+            table[self.unit_of, self.row_of] = torch.arange(p, dtype=torch.long)
+            some = table.max(dim=1, keepdim=True).values  # any position of the unit, -1 if none
+            self._table = (torch.where(table >= 0, table, some.clamp(min=0)), some.squeeze(1) >= 0)
+        return self._table
 
     def units_for(self, positions: torch.Tensor) -> list[int]:
         """Sorted indices of the units holding ``positions``."""

@@ -1,0 +1,117 @@
+"""Block-level scoring by per-channel key bounds (Quest-style).
+
+Scoring every prefix row with every probed query head costs about what the layer's
+attention costs. A block of rows can instead be scored by an upper bound of what any of
+its keys can give a query: with ``lo`` and ``hi`` the per-channel minimum and maximum of
+the block's keys,
+
+    q . k  <=  sum_c max(q_c * lo_c, q_c * hi_c)  =  q+ . hi  +  q- . lo
+
+for every key ``k`` of the block (``q+ = max(q, 0)``, ``q- = min(q, 0)``), which is two
+small matrix products against ``P / chunk_tokens`` summaries instead of one against
+``P`` rows.
+
+* `block_summaries` computes the ``lo``/``hi`` summaries of a layer's probe keys, per unit
+  (the part of one stored block a prefix covers; see `store.layout`);
+* `bound_logits` gives the bounds themselves;
+* `unit_scores` turns them into one score per probed KV head and unit, in the spirit of
+  the row scores (per query head and new token a softmax over the units, summed);
+* `unit_row_scores` spreads unit scores over the unit's rows, so that the rest of the
+  selection (agreement, block or token sets) works on them unchanged.
+
+Pure tensor code, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockSummaries", "block_summaries", "bound_logits", "take_units", "unit_row_scores", "unit_scores"]
+
+
+@dataclass(frozen=True)
+class BlockSummaries:
+    """Per-channel key bounds of the units of one layer, per probed KV head."""
+
+    #: ``[H, U, D]`` per-channel minimum of the unit's keys (0 for an empty unit)
+    lo: Tensor
+    #: ``[H, U, D]`` per-channel maximum (0 for an empty unit)
+    hi: Tensor
+    #: ``[U]`` bool: the unit holds at least one position of the layer
+    present: Tensor
+
+
+def block_summaries(keys: Tensor, table: Tensor, present: Tensor) -> BlockSummaries:
+    """Bounds of ``[H, P, D]`` keys over the units of ``table`` (``[U, S]`` positions of
+    every unit, ``present``: ``[U]`` bool; `LayerView.unit_table`)."""
+    h, p, d = keys.shape
+    u, s = table.shape
+    if p == 0:
+        zeros = keys.new_zeros(h, u, d, dtype=torch.float32)
+        return BlockSummaries(zeros, zeros, present)
+    flat = table.reshape(-1)
+    if flat.numel() == p and bool(torch.equal(flat, torch.arange(p))):
+        grouped = keys.float().view(h, u, s, d)  # whole blocks in prompt order: no copy
+    else:
+        grouped = keys.float().index_select(1, flat).view(h, u, s, d)
+    lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)  # (torch.aminmax over a middle dim is far slower)
+    if not bool(present.all()):
+        lo = lo * present[None, :, None]
+        hi = hi * present[None, :, None]
+    return BlockSummaries(lo.contiguous(), hi.contiguous(), present)
+
+
+def bound_logits(queries: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """``[..., n, U]`` upper bounds of ``q . k`` over each unit's keys, for ``[..., n, D]``
+    queries and ``[..., U, D]`` bounds (broadcast over the leading dimensions)."""
+    q = queries.float()
+    return torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
+
+
+def unit_scores(queries: Tensor, summaries: BlockSummaries, scaling: float | None = None) -> Tensor:
+    """``[H, U]`` scores of the units for the probed KV heads.
+
+    ``queries`` are ``[H * group, n, D]``: the query heads of the probed KV groups, in
+    group order. Per query head and new token, the scaled bounds go through a softmax
+    over the present units (as a row's attention probability does over the rows); the
+    probabilities are summed over the new tokens and the query heads of each group."""
+    hq, n, d = queries.shape
+    h, u, _ = summaries.lo.shape
+    group = hq // h
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(d) if d > 0 else 1.0
+    q = (queries.float() * scaling).view(h, group * n, d)
+    logits = bound_logits(q, summaries.lo, summaries.hi)  # [H, group * n, U]
+    if not bool(summaries.present.all()):
+        logits = logits.masked_fill(~summaries.present, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=1)
+
+
+def unit_row_scores(scores: Tensor, unit_of: Tensor, unit_count: Tensor) -> Tensor:
+    """``[H, P]``: each unit's score shared evenly among its rows (their sum per unit is
+    the unit's score, so ranking units by summed row scores ranks them by ``scores``)."""
+    per_row = scores / unit_count.clamp(min=1).to(scores.dtype)
+    return per_row[:, unit_of]
+
+
+def take_units(scores: Tensor, unit_of: Tensor, unit_count: Tensor, k: int) -> Tensor:
+    """``[k]`` positions (ascending) of the best units by ``[U]`` ``scores``: units taken
+    in descending score (ties: lower unit first) until they cover ``k`` positions; when
+    the last one overshoots, the rows with the highest shared score (the unit's score over
+    its size) are kept, lower positions first on ties. The same rows as
+    `scores.select_units` on `unit_row_scores`, from ``U`` scores instead of ``P``."""
+    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    order = torch.sort(s, descending=True, stable=True).indices
+    covered = torch.cumsum(unit_count[order], dim=0)
+    n_take = min(int((covered < k).sum()) + 1, order.numel())
+    chosen = torch.zeros(s.shape[0], dtype=torch.bool)
+    chosen[order[:n_take]] = True
+    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
+    if rows.numel() > k:
+        per_row = (s / unit_count.clamp(min=1).to(torch.float64))[unit_of[rows]]
+        rows = rows[torch.sort(per_row, descending=True, stable=True).indices[:k]]
+    return torch.sort(rows).values
