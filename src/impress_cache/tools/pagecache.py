@@ -15,7 +15,10 @@ def drop_page_cache(store_dir: str | os.PathLike[str]) -> None:
     the device ("guest-cold": in a VM the hypervisor may still cache them).
     """
     for f in (Path(store_dir) / CHUNK_DIR).iterdir():
-        fd = os.open(f, os.O_RDONLY)
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:  # a temporary file renamed, or a file evicted, since the listing
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
