@@ -183,14 +183,22 @@ def select_by_bounds(
     if list(probe_kv_heads) == list(range(hkv)):
         rows = torch.stack([take_units(scores[h], layout.unit_of, count, k) for h in range(hkv)])
         return load_rows(layout, rows, read_units, sim, thr, True, ranking)
+    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, sim, thr, ranking)
+
+
+def _own_rows_from_full(
+    layout: LayerView, read_units: ReadUnits, queries: torch.Tensor, new_keys: torch.Tensor,
+    forced: torch.Tensor | None, k: int, similarity: float, threshold: float, ranking: torch.Tensor | None,
+) -> RowSelection:
+    """The probe heads disagree and the probe copy lacks some KV heads: read the whole
+    layer and let every KV head choose its own ``k`` rows."""
     units, blocks, full_k = read_all(layout, read_units)
     full_scores = kv_head_scores(queries, full_k, new_keys)  # [Hkv, P]
     if forced is not None:
         full_scores[:, forced] += 1e9
     rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, sim, thr, True, rows, blocks.stats, ranking)
-
+    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, ranking)
 
 def select_row(
     *,
@@ -298,10 +306,4 @@ def select_row(
             rows = topk_indices(scores.unsqueeze(0), k)[0]  # [Hkv, k]
         return load_rows(layout, rows, read_units, similarity, threshold, True, ranking)
     # read the whole layer to get every KV head's keys
-    units, blocks, full_k = read_all(layout, read_units)
-    full_scores = kv_head_scores(queries, full_k, new_keys)  # [Hkv, P]
-    if forced is not None:
-        full_scores[:, forced] += 1e9
-    rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
-    keys, values = layout.gather(units, blocks, rows)
-    return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, ranking)
+    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, similarity, threshold, ranking)
