@@ -32,7 +32,7 @@ _SELECT_OVERHEAD = 2.5
 @functools.lru_cache(maxsize=8)
 def _calibrate(query_heads: int, kv_heads: int, head_dim: int) -> float:
     """Seconds per prefix row and layer of scoring the probe copy on this machine (best
-    of three on random keys; about 10 ms, once per process and shape)."""
+    of three on random keys; about 70 ms on this project's VM, once per process and shape)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, query_heads, _CAL_NEW, head_dim, generator=gen)
     k = torch.randn(1, kv_heads, _CAL_ROWS, head_dim, generator=gen)

@@ -17,9 +17,9 @@ No transformers here and no file handling: reads go through the ``read_units`` c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +199,7 @@ def _own_rows_from_full(
     rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
     keys, values = layout.gather(units, blocks, rows)
     return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, ranking)
+
 
 def select_row(
     *,
