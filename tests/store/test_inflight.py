@@ -36,6 +36,22 @@ def _until_waiting(store: ImpressStore) -> None:
         time.sleep(0.001)
 
 
+
+def _generate_once_waiting(store, model, held, ids, **cache_kwargs):
+    """Run a request on another thread while the last write's commit is held, let the
+    commit go once the request waits for it, and return ``(cache, sequences)``."""
+
+    def request():
+        cache = ImpressCache(store, ids, **cache_kwargs)
+        with torch.no_grad():
+            return cache, model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
+
+    t, out = _in_thread(request)
+    _until_waiting(store)
+    held.go.set()
+    t.join(WAIT_S)
+    return out[0]
+
 def test_a_lookup_right_after_put_async_matches_the_whole_prompt(tmp_path):
     a, *_, b = prompts(1, 5)  # (one system prompt)
     with ImpressStore(tmp_path, _model(), cfg()) as store:
@@ -181,16 +197,7 @@ def test_a_request_right_after_the_one_that_stored_its_prefix_reuses_it(tmp_path
                 model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: first})
             assert held.reached.wait(WAIT_S)
 
-            def second():
-                cache = ImpressCache(store, ids, namespace=namespace)
-                with torch.no_grad():
-                    return cache, model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
-
-            t, out = _in_thread(second)
-            _until_waiting(store)
-            held.go.set()
-            t.join(WAIT_S)
-        cache, seq = out[0]
+            cache, seq = _generate_once_waiting(store, model, held, ids, namespace=namespace)
         assert torch.equal(seq, ref)
         assert cache.stats.matched_tokens == 47 and cache.stats.waited_for_write_seconds > 0
 
@@ -216,15 +223,6 @@ def test_a_hybrid_models_next_request_waits_for_the_state_checkpoint_too(tmp_pat
                 model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: ImpressCache(store, ids)})
             assert held.reached.wait(WAIT_S)
 
-            def second():
-                cache = ImpressCache(store, nxt)
-                with torch.no_grad():
-                    return cache, model.generate(nxt, max_new_tokens=4, do_sample=False, **{CACHE_KWARG: cache})
-
-            t, out = _in_thread(second)
-            _until_waiting(store)
-            held.go.set()
-            t.join(WAIT_S)
-        cache, seq = out[0]
+            cache, seq = _generate_once_waiting(store, model, held, nxt)
         assert torch.equal(seq, ref)
         assert cache.stats.matched_tokens == 40 and cache.stats.waited_for_write_seconds > 0
