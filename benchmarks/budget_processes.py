@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             and fresh_res["exact"] == fresh_res["served"]
         )
         result = {
-            "command": "python benchmarks/budget_processes.py --out " + str(args.out),
+            "command": " ".join(["python", "benchmarks/budget_processes.py", *sys.argv[1:]]),
             "processes": args.processes, "seconds": args.seconds, "elapsed_s": round(elapsed, 1),
             "budget_bytes": budget, "empty_store_bytes": empty, "one_prompt_bytes": one, "largest_file_bytes": largest,
             "end_du_bytes": end_du, "end_within_budget_plus_largest": end_du <= budget + largest,

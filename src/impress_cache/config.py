@@ -48,9 +48,10 @@ class ImpressConfig:
     important_ratio:
         Share of a reused prefix whose K/V is loaded for the prefill of new tokens, or
         ``"auto"`` (default): per request, exact reuse or sparse loading at
-        ``auto_ratio``, whichever the store's cost model predicts gives the first token
-        sooner (measured bandwidth of where the blocks are, this machine's selection and
-        compute cost, the prefix length; see docs: Time to first token). A fast local
+        ``auto_ratio`` (or a larger ratio where it is predicted nearly free), whichever
+        the store's cost model predicts gives the first token sooner (measured bandwidth
+        of where the blocks are, this machine's selection and compute cost, the prefix
+        length and the number of new tokens; see docs: Time to first token). A fast local
         disk, the page cache and the memory tiers get exact reuse; a slow disk or a
         remote tier gets sparse loading. ``RequestStats.plan`` reports the choice. A
         number keeps that ratio for every request: ``1.0`` loads the whole prefix and

@@ -73,6 +73,9 @@ class RequestStats:
     plan_reason: str = ""
     predicted_exact_seconds: float | None = None
     predicted_sparse_seconds: float | None = None
+    #: the share of rows a sparse plan loads per scored layer (``auto_ratio`` or a larger
+    #: one the cost model found nearly free); ``None`` for an exact plan
+    plan_ratio: float | None = None
     reused_columns: int = 0
     bytes_read_disk: int = 0
     blocks_read: int = 0

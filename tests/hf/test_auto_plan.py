@@ -28,9 +28,13 @@ def test_a_fresh_store_reuses_exactly_then_knows_its_compute_cost(tmp_path):
         assert store.config.important_ratio == "auto"
         cache = assert_same_as_uncached(model, store, ids, mask, bind="ids")
         s = cache.stats
-        assert s.plan == "exact" and "no read from disk measured yet" in s.plan_reason
+        assert s.plan == "exact" and "no read from disk measured yet" in s.plan_reason and s.plan_ratio is None
         assert s.matched_tokens > 0 and s.bytes_read_probe == 0
         assert store.costs.values["compute_row"] > 0
+        assert "compute_token" not in store.costs.values
+        fresh = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+        s = _request(store, fresh, torch.ones_like(fresh))  # reuses nothing: what a new token costs
+        assert s.matched_tokens == 0 and store.costs.values["compute_token"] > 0
     saved = (tmp_path / FILE).read_text()
     assert "compute_row" in saved
 
@@ -43,6 +47,7 @@ def test_a_slow_disk_gets_sparse_loading_and_it_is_reported(tmp_path):
         s = _request(store, ids, mask)
         assert s.plan == "sparse" and s.bytes_read_probe > 0 and s.loaded_tokens < s.reused_columns * 2
         assert s.predicted_sparse_seconds < s.predicted_exact_seconds
+        assert s.plan_ratio == store.config.auto_ratio  # reads dominate: no larger ratio is nearly free
         assert store.costs.counts.get("select_row", 0) >= 1  # the sparse request measured its selection
     # an explicit ratio is kept whatever the model says
     with ImpressStore(tmp_path, model, ImpressConfig(chunk_tokens=16, important_ratio=1.0, **TIERS_OFF)) as store:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from ..selection.scores import attention_column_scores
-from ..store.costs import Plan
+from ..store.costs import Plan, Prefix
 from ..store.layout import PrefixLayout
 from ..store.store import ImpressStore
 
@@ -54,41 +54,60 @@ def select_prior(store: ImpressStore) -> float:
     return _calibrate(kv * group, kv, store.spec.head_dim)
 
 
-def plan(req: PrefixRequest, reused: int, k: int, scored_layers: int, layouts: list[PrefixLayout | None]) -> Plan:
-    """Exact reuse or sparse loading of ``k`` rows per scored layer, for this request."""
+def plan(req: PrefixRequest, reused: int, scored_layers: int, layouts: list[PrefixLayout | None]) -> Plan:
+    """Exact reuse or sparse loading for this request, and the ratio of a sparse plan
+    (``auto_ratio`` or a larger one: `CostModel.plan`)."""
     store = req.store
     costs = store.costs
     if costs.select_prior is None:
         costs.select_prior = functools.partial(select_prior, store)
     spec = store.spec
     row_bytes = spec.kv_bytes_per_token // max(1, spec.num_layers)  # one row of one layer, K and V
-    full = sparse = 0
+    full = 0
+    probe_bytes = 0
     source = "disk"
     for lay in layouts:
         if lay is None:
             continue
         resident, linked = store.where(lay)
         source = "remote" if linked else source
-        whole = lay.length * row_bytes * spec.num_layers * (1.0 - resident)
-        full += int(whole)
-        chosen = whole * (scored_layers / max(1, spec.num_layers)) * (k / max(1, reused))
-        rest = whole * (1 - scored_layers / max(1, spec.num_layers))
-        sparse += int(chosen + rest) + lay.length * store.probe.record_bytes * scored_layers
+        full += int(lay.length * row_bytes * spec.num_layers * (1.0 - resident))
+        probe_bytes += lay.length * store.probe.record_bytes * scored_layers
+    scored_share = scored_layers / max(1, spec.num_layers)
+
+    def sparse_bytes(ratio: float) -> int:  # chosen rows of the scored layers, every row of the rest, the probe copy
+        return int(full * (scored_share * ratio + 1 - scored_share)) + probe_bytes
+
     cfg = store.config
-    guard = cfg.decode == "full" and cfg.guard_margin > 0
     req.cost_source = source
-    return costs.plan(source, reused, scored_layers, full, sparse, guard)
+    prefix = Prefix(
+        source, reused, new_tokens(req), scored_layers, full, sparse_bytes, cfg.decode == "full" and cfg.guard_margin > 0
+    )
+    return costs.plan(prefix, cfg.auto_ratio)
+
+
+def new_tokens(req: PrefixRequest) -> int:
+    """Tokens the prefill computes per batch row (the widest row's)."""
+    return int(req.ids.shape[1]) - req.reused
 
 
 def observe_prefill(req: PrefixRequest, loader_seconds: float | None, loader_bytes: int) -> None:
     """After a prefill that reused a prefix: what it measured (exact or sparse)."""
-    costs, stats = req.store.costs, req.stats
+    costs, stats, new = req.store.costs, req.stats, new_tokens(req)
     if req.sparse is None:
         if loader_seconds is not None:
             costs.observe_read(req.cost_source, loader_bytes, loader_seconds)
-        costs.observe_exact(req.reused, stats.prefill_seconds, stats.io_wait_seconds + stats.probe_seconds)
+        costs.observe_exact(req.reused, new, stats.prefill_seconds, stats.io_wait_seconds + stats.probe_seconds)
     else:
-        costs.observe_sparse(req.reused, len(req.sparse_layers), stats.select_seconds, stats.io_wait_seconds, stats.bytes_read_rows)
+        costs.observe_sparse(
+            req.reused, new, len(req.sparse_layers), stats.select_seconds, stats.io_wait_seconds, stats.bytes_read_rows
+        )
+
+
+def observe_whole_prompt(req: PrefixRequest) -> None:
+    """After a prefill that reused nothing (one batch row): its cost per token."""
+    if req.ids.shape[0] == 1 and req.stats.prefill_seconds > 0:
+        req.store.costs.observe_tokens(int(req.ids.shape[1]), req.stats.prefill_seconds)
 
 
 def timed_full_read(req: PrefixRequest, read: Callable[[], T]) -> T:

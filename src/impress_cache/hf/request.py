@@ -154,8 +154,9 @@ class PrefixRequest:
             if reused == 0:
                 break
             k = self._rows_per_layer(reused)
-            # no disk eviction of these prefixes until their rows are in memory
-            self._lease = store.lease(matches, share=k / reused)
+            # no disk eviction of these prefixes until their rows are in memory (with
+            # "auto", the access is recorded once the plan says what is loaded)
+            self._lease = store.lease(matches, share=None if store.config.auto else k / reused)
             if not self._lease.stale or attempt == _REMATCHES - 1:
                 break  # (still stale after the last match: its reads fail and recompute)
             # a matched node was rewritten (or evicted) before the lease: match again, and
@@ -175,11 +176,14 @@ class PrefixRequest:
         room = self.ids.shape[1] - reused
         self.held, self.sparse_layers = held_rows(store.spec, reused, k)
         if store.config.auto and self.sparse_layers:  # exact reuse or sparse loading, by the cost model
-            choice = planner.plan(self, reused, k, len(self.sparse_layers), layouts)
+            choice = planner.plan(self, reused, len(self.sparse_layers), layouts)
             self.stats.plan, self.stats.plan_reason = choice.mode, choice.reason
             self.stats.predicted_exact_seconds, self.stats.predicted_sparse_seconds = choice.exact_seconds, choice.sparse_seconds
-            if choice.mode == "exact":
-                self.held, self.sparse_layers = held_rows(store.spec, reused, reused)
+            self.stats.plan_ratio = choice.ratio
+            k = reused if choice.ratio is None else self._rows_per_layer(reused, choice.ratio)
+            self.held, self.sparse_layers = held_rows(store.spec, reused, k)
+        if store.config.auto:
+            store.access(matches, k / reused if self.sparse_layers else 1.0)
         if self.sparse_layers:
             probes = (
                 None
@@ -212,11 +216,11 @@ class PrefixRequest:
             self.stats.bytes_read_disk += sum(t.numel() * t.element_size() for t in self.states.values())
         return p
 
-    def _rows_per_layer(self, reused: int) -> int:
-        """``k = ceil(important_ratio * C)`` (``auto_ratio`` with "auto"), whole blocks with
-        block selection."""
+    def _rows_per_layer(self, reused: int, ratio: float | None = None) -> int:
+        """``k = ceil(ratio * C)`` (by default ``important_ratio``, or ``auto_ratio`` with
+        "auto"), whole blocks with block selection."""
         cfg = self.store.config
-        k = math.ceil(cfg.sparse_ratio * reused)
+        k = math.ceil((cfg.sparse_ratio if ratio is None else ratio) * reused)
         if cfg.selection == "block":
             # whole blocks are read anyway: use every row of them
             k = min(reused, math.ceil(k / cfg.chunk_tokens) * cfg.chunk_tokens)
@@ -297,6 +301,8 @@ class PrefixRequest:
         if self.reused and self._recomputed is None and not self.stats.recomputed_layers:
             dense = self._dense if self.sparse is None else None
             planner.observe_prefill(self, None if dense is None else dense.seconds, 0 if dense is None else dense.disk_bytes)
+        elif not self.reused and self.store.config.auto:
+            planner.observe_whole_prompt(self)
         if self.sparse is not None:
             self.sparse.finish()
             if self.store.config.decode == "full":

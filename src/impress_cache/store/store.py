@@ -274,18 +274,24 @@ class ImpressStore:
             self.quarantine(*bad)
         raise StoreFormatError(f"the index of {self.path} keeps contradicting its chunk files; run `impress-cache verify --repair`")
 
-    def lease(self, matches: Iterable[Match], share: float = 1.0) -> PrefixLease:
+    def lease(self, matches: Iterable[Match], share: float | None = 1.0) -> PrefixLease:
         """Protect matched prefixes from disk eviction while a request uses them.
 
         Every chunk file of every match gets one reference; the disk budget never removes
         a prefix whose file is referenced. Leasing also records one access on every
-        matched node, with ``share`` the fraction of the prefix the request loads for its
-        prefill (the nodes' value for the disk budget). Release the returned
-        `PrefixLease` (or drop it) when the request holds what it needs; match again if it is ``stale``.
+        matched node (`access`), unless ``share`` is ``None`` (the request records it once
+        it knows what it loads). Release the returned `PrefixLease` (or drop it) when the
+        request holds what it needs; match again if it is ``stale``.
         """
         matches = list(matches)
-        self._values.access((seg.node.id for m in matches for seg in m.segments), share)
+        if share is not None:
+            self.access(matches, share)
         return self._leases.lease(matches)
+
+    def access(self, matches: Iterable[Match], share: float) -> None:
+        """One access on every matched node, ``share`` the fraction of the prefix the
+        request loads for its prefill (the nodes' value for the disk budget)."""
+        self._values.access((seg.node.id for m in matches for seg in m.segments), share)
 
     def leased_files(self) -> dict[int, int]:
         """Chunk files leased by requests of this process: ``file_id -> references``."""
