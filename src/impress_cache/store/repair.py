@@ -7,7 +7,7 @@ permutation. The format gives each block's offset (`ChunkFormat.block_offsets`).
 repair reads those headers, inserts the files in order of their first position (a file
 extends the prefix the files before it hold) into a new index, exactly as the writer
 commits a prompt, and replaces the old index with it. Files whose header cannot be read,
-that belong to another model or whose prefix no other file holds are moved to
+that belong to another model (or another ``kv_codec``) or whose prefix no other file holds are moved to
 ``quarantine/``. `impress-cache verify --repair` then reads and verifies every block of
 every indexed file (`cli.repair_store`) and quarantines a file that fails. Run it while
 no process has the store open.
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .. import probe as probe_codec
 from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
+from ..model_info import ModelSpec
 from ..storage import FORMATS
 from ..storage.base import PROBE
 from .binding import check_model_record
@@ -54,8 +54,7 @@ def read_header(path: Path, fmt: Any) -> tuple[NewFile, np.ndarray, dict[str, An
 
 def _row_bytes(model: dict[str, Any], probe: dict[str, Any]) -> tuple[int, int]:
     """Bytes of one row in a K/V block and in a probe piece, from the records a header holds."""
-    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
-    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    kv_row = ModelSpec.from_dict(model).kv_row_bytes  # (encoded with the record's kv_codec, if any)
     return kv_row, probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
 
 
@@ -91,6 +90,8 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
         try:
             new, seq, meta_model, meta_probe = read_header(Path(entry.path), fmt)
             model = model or meta_model
+            if meta_model.get("kv_codec") != model.get("kv_codec"):  # never two codecs in one store
+                raise ValueError(f"written with kv_codec={meta_model.get('kv_codec')!r}, the store keeps kv_codec={model.get('kv_codec')!r}")
             probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
             if meta_model != model or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
                 k: probe[k] for k in ("kv_heads", "encoding")
