@@ -21,6 +21,9 @@ float32 (0.27x), ``128`` in float16/bfloat16 (0.53x). Decoding is one multiply p
 into the destination tensor (`decode_into`), in the pool dtype, so the memory tiers and
 attention see ordinary dense blocks. A row of zeros is kept exactly (scale 0).
 Non-finite values are not representable: NaN or infinite K/V rows decode to NaN.
+Decoding costs a converting copy and a multiply per value (fp8's conversion is several
+times slower than int8's on the CPU; docs/performance.md has the measured times), so a
+codec pays where reads are slow.
 """
 
 from __future__ import annotations
@@ -85,9 +88,10 @@ def decode_into(raw: torch.Tensor, out: torch.Tensor, codec: str) -> torch.Tenso
     """Decode ``uint8 [..., rows, head_dim + 4]`` into ``out`` (``[..., rows, head_dim]``,
     any float dtype, may be a strided view of a larger tensor); returns ``out``."""
     codes, scales = split(raw, out.shape[-1], codec)
-    if codec == "int8" and out.dtype == torch.float32:
-        return torch.mul(codes, scales, out=out)  # one pass: codes promoted on the fly
-    out.copy_(codes)  # float8 takes part in no arithmetic promotion; exact in any float dtype
+    # a converting copy, then a multiply in place: about twice as fast on the CPU as one
+    # mixed-dtype multiply (and float8 takes part in no arithmetic promotion); the codes
+    # are exact in every float dtype
+    out.copy_(codes)
     return out.mul_(scales)
 
 
