@@ -17,8 +17,8 @@ codec      code of value ``x`` in a row with absmax m  error bound per value
 =========  ==========================================  ===============================
 
 With head_dim 64 a row takes ``68`` bytes per head and K or V instead of ``256`` in
-float32 (0.27x), ``128`` in float16/bfloat16 (0.53x). Decoding is one multiply per value
-into the destination tensor (`decode_into`), in the pool dtype, so the memory tiers and
+float32 (0.27x), ``128`` in float16/bfloat16 (0.53x). Decoding writes straight into
+the destination tensor (`decode_into`), in the pool dtype, so the memory tiers and
 attention see ordinary dense blocks. A row of zeros is kept exactly (scale 0).
 Non-finite values are not representable: NaN or infinite K/V rows decode to NaN.
 Decoding costs a converting copy and a multiply per value (fp8's conversion is several
