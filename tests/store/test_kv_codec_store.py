@@ -109,21 +109,25 @@ def test_opening_a_store_with_another_codec_is_refused(tmp_path, made, opened):
         assert maint.spec.kv_codec == made
 
 
-def test_repair_keeps_the_stores_codec_and_quarantines_files_of_another(tmp_path, capsys):
+@pytest.mark.parametrize("index_lost", [False, True])
+def test_repair_keeps_the_stores_codec_and_quarantines_files_of_another(tmp_path, capsys, index_lost):
+    """The old index names the store's codec; without it, the codec most files hold wins
+    (two int8 files against one fp8 file, whatever their names' order)."""
     model = tiny_model("llama")
     t, keys, _ = _put(tmp_path / "a", model, "int8")
+    _put(tmp_path / "a", model, "int8", seed=2)
     _put(tmp_path / "b", model, "fp8", seed=1)
     (foreign,) = (tmp_path / "b" / CHUNK_DIR).iterdir()
     shutil.copy(foreign, tmp_path / "a" / CHUNK_DIR / foreign.name)
-    (tmp_path / "a" / "index.sqlite").unlink()  # the index is lost: only the headers say
-    for suffix in ("-wal", "-shm"):
-        (tmp_path / "a" / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    if index_lost:  # only the headers say
+        for suffix in ("", "-wal", "-shm"):
+            (tmp_path / "a" / f"index.sqlite{suffix}").unlink(missing_ok=True)
     assert cli_main(["verify", "--repair", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
-    assert foreign.name in out and "kv_codec='fp8'" in out
+    assert foreign.name in out and "written with kv_codec='fp8', the store keeps kv_codec='int8'" in out
     assert (tmp_path / "a" / QUARANTINE_DIR / foreign.name).exists()
     with ImpressStore(tmp_path / "a", model, _cfg("int8")) as store:
-        assert len(store.index.files()) == 1
+        assert len(store.index.files()) == 2
         got = store.load(store.match(t.tolist(), limit=N - 1).segments)
         assert all(_within(got.keys[i], keys[i][:, : N - 1], "int8") for i in range(len(keys)))
 
