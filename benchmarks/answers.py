@@ -31,7 +31,8 @@ prefix reuse reads; for Gemma 3, every layer's rows, although its 15 window laye
 never read more than their last 511 rows, exact or not). Chunk files are dropped from the page cache before every request
 (guest-cold), the memory tiers are off and the background reorganiser too (every
 variant reads the same layout), except in ``full-reorg``, which reorders its own copy of
-each prefix (taken before any request) after every question by the store's own rules. TTFT is measured from ``generate`` to the
+each prefix (taken before any request) after every question by the store's own rules, and
+``int8`` / ``fp8``, exact reuse from a copy of each prefix stored with that ``kv_codec``. TTFT is measured from ``generate`` to the
 first token reaching a streamer.
 """
 
@@ -113,6 +114,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the defaults with importance reordering between questions (what the background
     # reorganiser does when the store is idle), on a copy of the stored prefix
     "full-reorg": {"important_ratio": 0.2, "reorganize": True},
+    # exact reuse from a store that keeps K/V compact at rest (its own copy of each prefix,
+    # stored with the codec): close to exact reuse, not bit-exact
+    "int8": {"important_ratio": 1.0, "kv_codec": "int8"},
+    "fp8": {"important_ratio": 1.0, "kv_codec": "fp8"},
 }
 DEFAULT_VARIANTS = ("full", "sparse", "full-before", "keep", "random-keep", "recent-keep", "h2o-keep")
 #: the models: loader, how a prompt is framed (``chat``: the chat template; ``raw``: no
@@ -269,7 +274,8 @@ def model_tag(base: dict[str, Any]) -> str:
 def ensure_stored(model: Any, text: dict[str, Any], work: Path, base: dict[str, Any], keep_pristine: bool) -> Path:
     """Store the text's prefix once (kept in ``work`` between runs); with
     ``keep_pristine`` also an untouched copy for the reordering variants."""
-    d = work / f"store-{model_tag(base)}c{base['chunk_tokens']}-{base['probe_dtype']}" / text["id"]
+    codec = f"-{base['kv_codec']}" if base.get("kv_codec") else ""
+    d = work / f"store-{model_tag(base)}c{base['chunk_tokens']}-{base['probe_dtype']}{codec}" / text["id"]
     if (d / "STORED").exists():
         return d
     t0 = time.perf_counter()
@@ -356,6 +362,8 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
         keep = summary.get(name, {}).get("2048")
         if keep:
             g[f"{name}@2048"] = {"same_position>=0.85": (round(keep["same_position"], 3), keep["same_position"] >= 0.85)}
+    for length, v in summary.get("int8", {}).items():  # compact K/V at rest against float32 reuse
+        g[f"int8@{length}"] = {"same_position>=0.97": (round(v["same_position"], 3), v["same_position"] >= 0.97)}
     return g
 
 
@@ -468,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                     conf = config(base, **over)
                     rewritten = 0
                     run_dir = reorg_copy(store_dir, work, name) if reorg else store_dir
+                    if over.get("kv_codec"):  # the prefix stored with the codec, once
+                        run_dir = ensure_stored(model, text, work, {**base, "kv_codec": over["kv_codec"]}, False)
                     with ImpressStore(run_dir, model, conf) as store:
                         for qi in range(args.questions):
                             ids = torch.tensor([text["prefix"] + text["suffixes"][qi]])

@@ -19,12 +19,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import numpy as np
-import torch
 
 from . import probe as probe_codec
 from .config import ImpressConfig
 from .errors import CorruptBlockError
 from .index.sqlite import Index
+from .model_info import ModelSpec
 from .storage import KV, PROBE, BlockReader, BlockTable, FileBlocks, file_seed
 from .store.catalog import CHUNK_DIR
 from .operate import OPERATOR_COMMANDS, add_operator_commands
@@ -40,8 +40,7 @@ def _open_index(path: Path) -> Index:
 def _row_bytes(index: Index) -> tuple[int, int]:
     """Bytes of one row of a K/V block and of a probe piece, from the index's records."""
     model, probe = index.get_json("model"), index.get_json("probe")
-    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
-    kv = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    kv = ModelSpec.from_dict(model).kv_row_bytes
     return kv, probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
 
 

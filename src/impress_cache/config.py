@@ -9,6 +9,7 @@ from typing import Any
 from .errors import ConfigError
 from .probe import ENCODINGS
 from .selection.modes import BLOCK_SCORES, SELECTION_MODES
+from .storage.kv_codec import KV_CODECS, check_supported
 from .tiers.policies import POLICIES
 from .tiers.policies.score import DEFAULT_UNIMPORTANT_WEIGHT
 from .validate import (
@@ -132,6 +133,13 @@ class ImpressConfig:
     kv_dtype:
         Dtype of the K/V rows on disk. ``"auto"`` keeps the model's dtype, which is
         what exact reuse needs.
+    kv_codec:
+        How K/V blocks are kept on disk: ``None`` (default) in ``kv_dtype``, and reuse
+        at ``important_ratio=1.0`` is bit-exact; ``"int8"`` or ``"fp8"`` (float8 e4m3)
+        stores one byte per value plus a float32 scale per token, head and K or V
+        (0.27x the bytes of float32 at head_dim 64), decoded to ``kv_dtype`` when read.
+        With a codec reuse is close, not exact (docs: Configuration). Fixed when a store
+        is created: opening it with another codec raises `ConfigError`.
     io_threads:
         Threads issuing ``preadv`` requests in parallel (requests in flight).
     device_bytes, host_bytes:
@@ -250,6 +258,7 @@ class ImpressConfig:
     keep_reselect: int = 0
     keep_reselect_decay: float = 0.5
     kv_dtype: str = "auto"
+    kv_codec: str | None = None
     io_threads: int = 8
     device_bytes: int = 256 * 2**20
     host_bytes: int = 1024 * 2**20
@@ -293,6 +302,13 @@ class ImpressConfig:
         check_choice("probe_dtype", self.probe_dtype, ENCODINGS)
         check_choice("decode", self.decode, _DECODES)
         check_choice("kv_dtype", self.kv_dtype, _KV_DTYPES)
+        if self.kv_codec is not None:
+            if self.kv_codec not in KV_CODECS:
+                raise ConfigError(f"kv_codec must be None or one of {', '.join(map(repr, KV_CODECS))}, got {self.kv_codec!r}")
+            try:
+                check_supported(self.kv_codec)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         check_number("guard_margin", self.guard_margin, 0.0, 100.0)
         check_int("keep_sinks", self.keep_sinks, 0)
         check_int("keep_recent", self.keep_recent, 0)

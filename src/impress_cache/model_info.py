@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .errors import ModelMismatchError, UnsupportedModelError
+from .storage.kv_codec import row_bytes as codec_row_bytes
 
 #: what a model layer is, for the cache:
 #: ``full``: attends to every earlier row (stored; sparse loading possible);
@@ -74,6 +75,9 @@ class ModelSpec:
     stored layers, at their padded width. ``layers`` describes every model layer
     (`LayerInfo`, JSON); it is empty for a model whose layers all attend fully with one
     shape, so stores of such models written before it existed keep their fingerprint.
+    ``kv_codec`` is the encoding of K/V blocks at rest (`storage.kv_codec`), ``None`` for
+    the dtype itself; it is in the record (`to_dict`) only when set, so the records of
+    stores without a codec are what they were before it existed.
     """
 
     model_type: str
@@ -88,16 +92,25 @@ class ModelSpec:
     kv_dtype: str
     weights_sha256: str
     layers: str = ""
+    kv_codec: str | None = None
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return _NAME_DTYPES[self.kv_dtype]
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all stored layers, in the stored dtype."""
+    def kv_row_bytes(self) -> int:
+        """Bytes of one row of one layer's K/V block on disk (K and V of every head):
+        in the stored dtype, or encoded with ``kv_codec``."""
+        if self.kv_codec is not None:
+            return codec_row_bytes(self.num_kv_heads, self.head_dim)
         itemsize = torch.empty((), dtype=self.torch_kv_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all stored layers, as stored on disk."""
+        return self.num_layers * self.kv_row_bytes
 
     @functools.cached_property
     def model_layers(self) -> tuple[LayerInfo, ...]:
@@ -125,12 +138,15 @@ class ModelSpec:
         return (info.k_heads, info.k_dim, info.v_heads, info.v_dim) != (h, d, h, d)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["kv_codec"] is None:
+            del out["kv_codec"]
+        return out
 
     def check_same(self, stored: dict[str, Any], where: str) -> None:
         """Raise `ModelMismatchError` naming every field that differs (a field a store
         written before it existed did not record counts as its default)."""
-        mine = self.to_dict()
+        mine = {f.name: getattr(self, f.name) for f in fields(self)}
         defaults = {f.name: f.default for f in fields(self)}
         diffs = [
             f"{k}: store has {stored.get(k, defaults[k])!r}, model has {mine[k]!r}"
@@ -227,8 +243,9 @@ def describe_layers(model: torch.nn.Module) -> list[LayerInfo]:
     return infos
 
 
-def model_spec(model: torch.nn.Module, kv_dtype: str = "auto") -> ModelSpec:
-    """Describe ``model`` for a store that keeps K/V in ``kv_dtype``."""
+def model_spec(model: torch.nn.Module, kv_dtype: str = "auto", kv_codec: str | None = None) -> ModelSpec:
+    """Describe ``model`` for a store that keeps K/V in ``kv_dtype`` (encoded with
+    ``kv_codec`` on disk when it is set)."""
     text = text_config(model)
     infos = describe_layers(model)
     heads = int(text.num_attention_heads)
@@ -258,6 +275,7 @@ def model_spec(model: torch.nn.Module, kv_dtype: str = "auto") -> ModelSpec:
         kv_dtype=kv_dtype,
         weights_sha256=weights_fingerprint(model),
         layers="" if uniform else json.dumps([i.as_list() for i in infos]),
+        kv_codec=kv_codec,
     )
 
 

@@ -4,8 +4,10 @@ A chunk file holds the K/V rows of ``n_tokens`` consecutive tokens for every lay
 into blocks of ``chunk_tokens`` tokens. One block of one layer is one contiguous,
 4 KiB-aligned byte range holding a ``[2, kv_heads, rows, head_dim]`` array (K then V),
 so any set of blocks can be read with plain ``preadv`` calls, without the format's own
-reader. Formats differ only in how they wrap those ranges; each one is one module in
-this package plus one line in `FORMATS`.
+reader. With a ``kv_codec`` a K/V block is ``uint8 [2, kv_heads, rows, head_dim + 4]``
+instead (`kv_codec`: one-byte codes and a float32 scale per row). Formats differ only
+in how they wrap those ranges; each one is one module in this package plus one line in
+`FORMATS`.
 
 Every block has a CRC-32C checksum started from a *seed* that binds the block's identity:
 the file (its UUID, the tokens its rows hold, their first position and a digest of the
@@ -30,6 +32,8 @@ import numpy as np
 
 from ..errors import StoreLimitError
 import torch
+
+from . import kv_codec
 
 ALIGN = 4096
 
@@ -124,14 +128,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def iter_blocks(
-    keys: list[torch.Tensor], values: list[torch.Tensor], chunk_tokens: int
+    keys: list[torch.Tensor], values: list[torch.Tensor], chunk_tokens: int, codec: str | None = None
 ) -> Iterator[BlockData]:
-    """Cut per-layer ``[H, N, D]`` keys and values into K/V blocks, layer by layer."""
+    """Cut per-layer ``[H, N, D]`` keys and values into K/V blocks, layer by layer; with
+    ``codec`` each block is encoded (`kv_codec.encode`: ``uint8 [2, H, rows, D + 4]``)."""
     for layer, (k, v) in enumerate(zip(keys, values)):
         n = k.shape[-2]
+        coded = None if codec is None else kv_codec.encode(torch.stack((k, v)), codec)  # one call per layer
         for block, start in enumerate(range(0, n, chunk_tokens)):
             end = min(start + chunk_tokens, n)
-            kv = torch.stack((k[:, start:end], v[:, start:end])).contiguous()
+            if coded is None:
+                kv = torch.stack((k[:, start:end], v[:, start:end])).contiguous()
+            else:
+                kv = coded[:, :, start:end].contiguous()
             yield BlockData(KV, layer, block, end - start, kv.dtype, tuple(kv.shape), tensor_bytes(kv))
 
 

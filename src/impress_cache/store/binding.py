@@ -104,12 +104,18 @@ def recorded(index: Index, path: Path) -> tuple[ModelSpec, ProbeSpec]:
 def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path) -> tuple[ModelSpec, ProbeSpec]:
     """Record the model and probe settings in a new store, or check them against an
     existing one (`ModelMismatchError` / `ConfigError` naming every differing field)."""
-    spec = model_spec(model, config.kv_dtype)
+    spec = model_spec(model, config.kv_dtype, config.kv_codec)
     if index.read_only:  # nothing to record: the store must be bound already
         recorded(index, path)
     # one transaction each: of two processes creating a store, one records its model
     stored = index.get_json("model") if index.read_only else index.get_or_set_json("model", spec.to_dict())
     check_model_record(index, stored)  # damage is not a mismatch
+    if isinstance(stored, dict) and stored.get("kv_codec") != spec.kv_codec:
+        raise ConfigError(
+            f"the store at {path} keeps K/V blocks with kv_codec={stored.get('kv_codec')!r}, the config gives "
+            f"kv_codec={spec.kv_codec!r}; a store's codec is fixed when it is created: open it with "
+            f"kv_codec={stored.get('kv_codec')!r}, or use a new directory for the other codec"
+        )
     spec.check_same(stored, str(path))
     q = choose_probe_heads(spec.num_attention_heads, spec.num_kv_heads, min(config.probe_heads, spec.num_attention_heads))
     group = spec.num_attention_heads // spec.num_kv_heads

@@ -7,6 +7,11 @@ budgets are 0), the misses are read from disk in one batch straight into their s
 (`BlockReader.submit`), blocks read from disk are offered to the tiers in one batch, and
 the call is accounted once. `start` returns at once with the disk reads in flight;
 `PendingRead.result` waits for them and returns a `BlockSet` of tensors.
+
+A store with a ``kv_codec`` reads its encoded K/V blocks into a byte buffer of their own
+and decodes them into the pool's slots when the read finishes (runs of whole slots in
+one call each): the pool, the memory tiers and everything above see dense blocks in the
+store's dtype, and the tiers count their decoded bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from ..model_info import ModelSpec
+from ..storage import kv_codec
 from ..storage.base import KV, BlockKey, block_code
 from ..storage.reader import BlockReader, FileBlocks, ReadBatch
 from ..tiers import DEVICE, HOST, TierManager
@@ -91,6 +97,14 @@ class _Plan:
     t0: float = 0.0
     #: maintenance read: nothing counted
     quiet: bool = False
+    #: with a ``kv_codec``: the encoded K/V blocks as read, ``uint8 [slots, slot bytes]``
+    raw: torch.Tensor | None = None
+    #: bytes of each slot's block in memory (decoded), when they differ from ``nbytes``
+    mem_nbytes: np.ndarray | None = None
+
+    @property
+    def tier_nbytes(self) -> np.ndarray:
+        return self.nbytes if self.mem_nbytes is None else self.mem_nbytes
 
 
 class PendingRead:
@@ -262,12 +276,16 @@ class BlockIO:
             share_arr = np.ones(n)
         else:
             share_arr = np.array([clip_share(shares[i]) for i in first.tolist()], dtype=np.float64)
-        row_bytes = self._kv_row_bytes() if kind == KV else self._probe_record
+        row_bytes = self._spec.kv_row_bytes if kind == KV else self._probe_record
         nbytes = rows * row_bytes
+        slot_rows = int(rows.max()) if n else 1
         plan = _Plan(
             kind, s_files, s_layers, s_blocks, rows, nbytes, share_arr, inverse.tolist(), decode,
-            self._pool(kind, n, int(rows.max()) if n else 1), t0=t0, quiet=quiet,
+            self._pool(kind, n, slot_rows), t0=t0, quiet=quiet,
         )
+        if kind == KV and self._spec.kv_codec is not None:
+            plan.raw = torch.empty((n, slot_rows * row_bytes), dtype=torch.uint8)
+            plan.mem_nbytes = rows * self._dense_row_bytes()
         disk = np.ones(n, dtype=bool)
         if known:
             held = [(s, known[c]) for s, c in enumerate(uniq.tolist()) if c in known]
@@ -280,7 +298,7 @@ class BlockIO:
         if self._tiers.enabled and plan.keys is not None:
             todo = np.flatnonzero(disk).tolist()
             found = self._tiers.lookup(
-                [plan.keys[s] for s in todo], share_arr[todo].tolist(), nbytes[todo].tolist()
+                [plan.keys[s] for s in todo], share_arr[todo].tolist(), plan.tier_nbytes[todo].tolist()
             )
             hits = [(s, hit[1]) for s, hit in zip(todo, found) if hit is not None]
             if not place_hits:  # blocks on the pool's device are used where they are
@@ -292,7 +310,7 @@ class BlockIO:
                     disk[s] = False
         plan.disk = np.flatnonzero(disk)
         if len(plan.disk):
-            flat = plan.pool.view(torch.uint8).reshape(-1).numpy()
+            flat = (plan.pool if plan.raw is None else plan.raw).view(torch.uint8).reshape(-1).numpy()
             slot_bytes = flat.nbytes // max(1, n)
             work = []
             for a, b, f in tables:
@@ -314,7 +332,9 @@ class BlockIO:
         nbytes_disk = plan.batch.wait() if plan.batch is not None else 0
         pool, kind = plan.pool, plan.kind
         assert plan.disk is not None
-        if kind == KV and len(plan.disk):
+        if plan.raw is not None and len(plan.disk):
+            self._decode(plan)
+        elif kind == KV and len(plan.disk):
             spec, full = self._spec, pool.shape[3]
             for s in plan.disk[plan.rows[plan.disk] < full].tolist():
                 r = int(plan.rows[s])  # a short block landed at the start of its slot: spread its rows
@@ -324,7 +344,7 @@ class BlockIO:
             if len(plan.disk):
                 self._tiers.admit(
                     [
-                        (plan.keys[s], self._owned(pool, kind, s, int(plan.rows[s])), int(plan.nbytes[s]), float(plan.shares[s]))
+                        (plan.keys[s], self._owned(pool, kind, s, int(plan.rows[s])), int(plan.tier_nbytes[s]), float(plan.shares[s]))
                         for s in plan.disk.tolist()
                     ],
                     protect=plan.keys,
@@ -334,9 +354,28 @@ class BlockIO:
         stats.seconds = time.perf_counter() - plan.t0
         return BlockSet(kind, pool, plan.rows.tolist(), plan.slot_of, stats, plan.held)
 
-    def _kv_row_bytes(self) -> int:
+    def _dense_row_bytes(self) -> int:
+        """Bytes of one decoded row of a K/V block (in the store's dtype)."""
         spec = self._spec
         return 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.torch_kv_dtype).element_size()
+
+    def _decode(self, plan: _Plan) -> None:
+        """Decode the encoded K/V blocks read from disk into their pool slots: each run of
+        consecutive whole slots with one call, a short block (a file's last) alone."""
+        pool, raw, codec = plan.pool, plan.raw, self._spec.kv_codec
+        assert raw is not None and plan.disk is not None and codec is not None
+        n, _, h, s_rows, d = pool.shape
+        coded = raw.view(n, 2, h, s_rows, d + kv_codec.SCALE_BYTES)
+        disk = plan.disk
+        whole = disk[plan.rows[disk] == s_rows]
+        if len(whole):
+            for run in np.split(whole, np.flatnonzero(np.diff(whole) != 1) + 1):
+                lo, hi = int(run[0]), int(run[-1]) + 1
+                kv_codec.decode_into(coded[lo:hi], pool[lo:hi], codec)
+        for s in disk[plan.rows[disk] < s_rows].tolist():
+            r = int(plan.rows[s])  # a short block landed at the start of its slot
+            src = raw[s, : r * self._spec.kv_row_bytes].view(2, h, r, d + kv_codec.SCALE_BYTES)
+            kv_codec.decode_into(src, pool[s, :, :, :r], codec)
 
     def _pool(self, kind: int, slots: int, slot_rows: int) -> torch.Tensor:
         spec = self._spec

@@ -7,25 +7,29 @@ permutation. The format gives each block's offset (`ChunkFormat.block_offsets`).
 repair reads those headers, inserts the files in order of their first position (a file
 extends the prefix the files before it hold) into a new index, exactly as the writer
 commits a prompt, and replaces the old index with it. Files whose header cannot be read,
-that belong to another model or whose prefix no other file holds are moved to
-``quarantine/``. `impress-cache verify --repair` then reads and verifies every block of
-every indexed file (`cli.repair_store`) and quarantines a file that fails. Run it while
-no process has the store open.
+that belong to another model (or another ``kv_codec``: a store never mixes codecs) or
+whose prefix no other file holds are moved to ``quarantine/``; when the old index cannot
+say which model the store is for, the model record most files hold decides (on a tie,
+the first file's by name). `impress-cache verify --repair` then reads and verifies every
+block of every indexed file (`cli.repair_store`) and quarantines a file that fails. Run
+it while no process has the store open.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .. import probe as probe_codec
 from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
+from ..model_info import ModelSpec
 from ..storage import FORMATS
 from ..storage.base import PROBE
 from .binding import check_model_record
@@ -54,8 +58,7 @@ def read_header(path: Path, fmt: Any) -> tuple[NewFile, np.ndarray, dict[str, An
 
 def _row_bytes(model: dict[str, Any], probe: dict[str, Any]) -> tuple[int, int]:
     """Bytes of one row in a K/V block and in a probe piece, from the records a header holds."""
-    itemsize = torch.empty((), dtype=getattr(torch, model["kv_dtype"])).element_size()
-    kv_row = 2 * model["num_kv_heads"] * model["head_dim"] * itemsize
+    kv_row = ModelSpec.from_dict(model).kv_row_bytes  # (encoded with the record's kv_codec, if any)
     return kv_row, probe_codec.record_bytes(len(probe["kv_heads"]), model["head_dim"], probe["encoding"])
 
 
@@ -78,7 +81,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
                 old.close()
         except ImpressError:  # a damaged index: the files' headers say what it held
             model = probe = None
-    headers, bad = [], []
+    found, bad = [], []
     for entry in sorted(os.scandir(chunks), key=lambda e: e.name):
         name = entry.name
         if not FILE_NAME.match(name) or not entry.is_file(follow_symlinks=False):
@@ -89,17 +92,28 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
             continue
         fmt = _SUFFIX[name.rsplit(".", 1)[1]]()
         try:
-            new, seq, meta_model, meta_probe = read_header(Path(entry.path), fmt)
-            model = model or meta_model
-            probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
+            found.append((name, entry.stat().st_mtime, *read_header(Path(entry.path), fmt)))
+        except Exception as exc:  # any damage of a header: the file cannot be indexed
+            bad.append((name, f"unreadable header ({type(exc).__name__}: {exc})"))
+    if model is None and found:  # the index cannot say: the model record most files hold (ties: the first name)
+        votes = Counter(json.dumps(f[4], sort_keys=True) for f in found)
+        model = json.loads(votes.most_common(1)[0][0])
+    headers = []
+    for name, mtime, new, seq, meta_model, meta_probe in found:
+        if meta_model.get("kv_codec") != model.get("kv_codec"):  # never two codecs in one store
+            bad.append((name, f"written with kv_codec={meta_model.get('kv_codec')!r}, the store keeps kv_codec={model.get('kv_codec')!r}"))
+            continue
+        try:
+            if meta_model == model:
+                probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
             if meta_model != model or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
                 k: probe[k] for k in ("kv_heads", "encoding")
             }:
                 raise ValueError("written for another model or probe setting")
             if namespaced(seq) and namespace_of(seq[0], model["vocab_size"]) not in spaces:
                 raise ValueError("a prefix of a namespace the index no longer names")
-            headers.append((new.first_pos, entry.stat().st_mtime, new, seq))
-        except Exception as exc:  # any damage of a header: the file cannot be indexed
+            headers.append((new.first_pos, mtime, new, seq))
+        except Exception as exc:  # a header that does not fit the store
             bad.append((name, f"unreadable header ({type(exc).__name__}: {exc})"))
     if model is None:
         raise SystemExit(f"{path}: no chunk file has a readable header and the index records no model; nothing to repair")

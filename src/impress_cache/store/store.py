@@ -144,7 +144,7 @@ class ImpressStore:
             )
             if storage_format == "hdf5" and self.spec.kv_dtype == "bfloat16":
                 raise ConfigError("the hdf5 storage format cannot hold bfloat16; use safetensors or kv_dtype='float16'")
-            row_bytes = (self.spec.kv_bytes_per_token // self.spec.num_layers, self.probe.record_bytes)
+            row_bytes = (self.spec.kv_row_bytes, self.probe.record_bytes)
             self._values = NodeValues(make_policy(self.config.policy, **policy_kwargs(self.config)), self.clock)
             self._importance = ImportanceStats(self.spec.num_layers, self.config.half_life_s, self.clock)
             on_leaves = self._values.leaves_changed  # the disk budget's candidates

@@ -349,7 +349,7 @@ class PromptWriter:
             file_seed(file_uuid.bytes, context, m, rows, perm), *np.indices((2, layers, nb))
         )
         checksums = np.zeros((2, layers, nb), dtype=np.uint32)
-        blocks = list(iter_blocks(ks, vs, ct))
+        blocks = list(iter_blocks(ks, vs, ct, spec.kv_codec))  # encoded before the checksums: they cover the stored bytes
         for blk in blocks:
             checksums[KV, blk.layer, blk.block] = checksum(blk.payload, int(seeds[KV, blk.layer, blk.block]))
         # each layer's probe copy is one contiguous tensor (no per-block alignment gaps),
