@@ -503,6 +503,34 @@ class RadixTree:
         del self._nodes[node.id]
         self.version += 1
 
+    def detach(self, node: RadixNode, keep: bool = True) -> None:
+        """Take ``node`` (with its subtree) from its parent's children, for `attach` to put
+        it elsewhere (``keep``) or to drop it (not ``keep``: its id is forgotten; its
+        children stay under it until attached elsewhere)."""
+        parent = node.parent
+        if parent is not None and parent._kids is not None:
+            kids = parent._own_children()
+            first = int(node._buf[node._off])
+            if kids.get(first) is node:
+                del kids[first]
+                if not kids:
+                    parent._kids = None
+        if not keep and self._nodes.get(node.id) is node:
+            del self._nodes[node.id]
+        self.version += 1
+
+    def attach(self, parent: RadixNode, node: RadixNode) -> None:
+        """Put a node (new, or taken out by `detach`) below ``parent``."""
+        first = int(node._buf[node._off])
+        kids = parent._own_children()
+        if first in kids and kids[first] is not node:
+            raise ValueError(f"parent {parent.id} already has a child starting with {first}")
+        kids[first] = node
+        node.parent = parent
+        if self._nodes.get(node.id) is not node:
+            self._nodes[node.id] = node
+        self.version += 1
+
     def subtree(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and all its descendants, children before parents."""
         out: list[RadixNode] = []

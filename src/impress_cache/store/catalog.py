@@ -3,9 +3,10 @@
 Everything here runs under one lock (`Catalog.lock`), which the rest of the store takes
 only for a few index operations at a time. The tree in memory mirrors the index and
 changes only after the index transaction that records the change has committed. When
-another process commits to the index, `refresh` reloads the tree and forgets what this
-process knew about files that are gone (``on_forget`` lets the memory tiers drop their
-blocks).
+another process commits to the index, `refresh` applies what the index's change log
+says changed (`index.changelog`; the whole tree is reloaded only when the log cannot
+tell) and forgets what this process knew about files that are gone (``on_forget`` lets
+the memory tiers drop their blocks).
 
 Chunk files are opened relative to the ``chunks/`` directory's descriptor, never through
 a symbolic link, and only if they are regular files; a file's name must be one the store
@@ -24,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..index.changelog import apply_changes
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
@@ -136,6 +138,12 @@ class Catalog:
         self.refreshes = 0
         #: steps after a committed transaction that failed (`after_commit_failed`)
         self.after_commit_failures = 0
+        #: other processes' commits followed through the change log (`catch_up`), and
+        #: whole-tree reloads instead (the log trimmed past this tree's position, or absent)
+        self.log_applied = 0
+        self.log_reloads = 0
+        #: the change log's entry the tree follows (`Index.changes_since`)
+        self._log_seq: int | None = None
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
         #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
@@ -172,6 +180,7 @@ class Catalog:
 
     def _load(self) -> None:
         self.tree, self.records = self.index.load_tree()
+        self._log_seq = self.index.loaded_seq
         # a generator: only a store that keeps an eviction order lists the leaves
         self._on_leaves(_later(self.tree.leaf_ids), True)
 
@@ -197,14 +206,42 @@ class Catalog:
             return self.tree.match(tokens, limit)
 
     def refresh(self, wait: bool = True) -> None:
-        """Reload the tree if another process changed the index (``wait``: see
-        `Index.changed_elsewhere`)."""
+        """Follow the index if another process changed it (``wait``: see
+        `Index.changed_elsewhere`): `catch_up`, or a reload of a tree left stale."""
         with self.lock:
             if wait and not self.index.in_transaction():  # (inside one, nothing is unsettled)
                 self._settled.wait_for(self._clear)
             self.refreshes += 1
-            if self.index.changed_elsewhere(wait) or self._stale:
+            if self._stale:
                 self.reload_tree()
+            elif self.index.changed_elsewhere(wait):
+                self.catch_up()
+
+    def catch_up(self) -> None:
+        """Apply the change log's entries since the tree's position (every process's
+        commits, this one's included: applying those again changes nothing); reload the
+        whole tree when the log cannot tell (trimmed past the position, or no log) or
+        its changes do not fit the tree."""
+        with self.lock:
+            changes = self.index.changes_since(self._log_seq)
+            if changes is None:
+                self.log_reloads += 1
+                self.reload_tree()
+                return
+            if not changes:
+                self._log_seq = changes.seq
+                return
+            try:
+                applied = apply_changes(self.tree, self.records, changes)
+            except ValueError as exc:
+                log.warning("the index's change log does not fit the tree (%s); reloading it", exc)
+                self.log_reloads += 1
+                self.reload_tree()
+                return
+            self._log_seq = changes.seq
+            self.log_applied += 1
+            self._on_leaves(applied.leaves, False)
+            self.forget({r.id for r in applied.dropped}, applied.dropped)
 
     def _clear(self) -> bool:
         return not self._unsettled and not self._aside
@@ -296,9 +333,8 @@ class Catalog:
             try:
                 if self.tree is tree and tree.version == version:
                     leaf = self._follow_prompt(plan, ids, file_id, record)
-                else:  # changed while the commit ran: a reload (which saw the commit) or else
-                    if self.tree is tree:
-                        self.reload_tree()
+                else:  # changed while the commit ran (a refresh, which may have seen the commit): follow the log
+                    self.catch_up()
                     leaf = self.tree.get(ids["leaf"])
                     halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
                     if halves and all(self.tree.get(h) is not None for h in halves):
