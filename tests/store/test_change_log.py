@@ -135,6 +135,14 @@ def test_a_log_trimmed_past_the_tree_s_position_falls_back_to_a_reload(tmp_path,
         store.match(prompts(9, 1)[0])
         assert reloads == [1] and store.stats()["log_applied"] == 1
         assert_tree_is_the_index(store, tmp_path)
+        # this process's own writes, many more than the log keeps, move its position on
+        # with them: another process's next commit is still followed through the log
+        for t in prompts(12, 8):
+            put(store, t)
+        elsewhere(tmp_path, "put(store, prompts(14, 1)[0])")
+        store.match(prompts(9, 1)[0])
+        assert reloads == [1] and store.stats()["log_applied"] == 2
+        assert_tree_is_the_index(store, tmp_path)
 
 
 def _as_before_the_log(path: Path) -> None:

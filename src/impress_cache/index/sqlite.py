@@ -34,6 +34,7 @@ from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
 from .changelog import ChangeSet
+from .locks import INDEX, OrderedLock
 from .schema import CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
 
 
@@ -70,7 +71,7 @@ class Index(StatisticsTables):
             self._conn = self._connect(path, read_only, file_mode)
         except sqlite3.Error as exc:
             raise index_error(path, exc) from exc
-        self._lock = threading.RLock()
+        self._lock = OrderedLock(INDEX, "index")
         self._in_transaction = False
         self._tx_thread = 0
         #: the change log's last entry when `load_tree` read the tables (``None``: the
@@ -446,6 +447,11 @@ class Index(StatisticsTables):
             ) from exc
         return tree, files
 
+    def log_position(self) -> int | None:
+        """`_log_position` (inside a transaction: its own entries included)."""
+        with self._lock:
+            return self._log_position()
+
     def _log_position(self) -> int | None:
         """The change log's last sequence number (0: none yet); ``None`` without a log."""
         if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='changes'").fetchone() is None:
@@ -453,13 +459,22 @@ class Index(StatisticsTables):
         row = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()
         return 0 if row is None else int(row[0])
 
-    def changes_since(self, seq: int | None) -> ChangeSet | None:
+    def changes_since(self, seq: int | None, wait: bool = True) -> ChangeSet | None | bool:
         """What the change log holds after entry ``seq``: the ids of the node and file rows
         inserted, updated or deleted since, and the current rows of those still there, all
         in one read snapshot. ``None`` when the log cannot tell (no log, or its entries
-        after ``seq`` were trimmed away): the caller reloads the whole tree."""
+        after ``seq`` were trimmed away): the caller reloads the whole tree. Not ``wait``:
+        False at once when another thread of this process is using the index."""
         if seq is None:
             return None
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            return self._changes_since(seq)
+        finally:
+            self._lock.release()
+
+    def _changes_since(self, seq: int) -> ChangeSet | None:
         with self._lock, read_snapshot(self._conn):
             last = self._log_position()
             if last is None:

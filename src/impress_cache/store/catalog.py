@@ -27,6 +27,7 @@ import numpy as np
 
 from ..index.changelog import apply_changes
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
+from ..index.locks import CATALOG, OrderedLock
 from ..index.files import FileRecord, FileTable, NewFile, check_record
 from ..index.sqlite import Index
 from .changes import TreeChanges
@@ -127,7 +128,7 @@ class Catalog:
         self.root = root
         self.chunks = root / CHUNK_DIR
         self.index = index
-        self.lock = threading.RLock()
+        self.lock = OrderedLock(CATALOG, "catalog")
         self._row_bytes = row_bytes
         self._on_forget = on_forget
         self._on_split = on_split
@@ -142,8 +143,10 @@ class Catalog:
         #: whole-tree reloads instead (the log trimmed past this tree's position, or absent)
         self.log_applied = 0
         self.log_reloads = 0
-        #: the change log's entry the tree follows (`Index.changes_since`)
+        #: the change log's entry the tree follows (`Index.changes_since`), and whether
+        #: another process committed after it (seen, not yet applied: the index was busy)
         self._log_seq: int | None = None
+        self._behind = False
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
         #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
@@ -214,16 +217,20 @@ class Catalog:
             self.refreshes += 1
             if self._stale:
                 self.reload_tree()
-            elif self.index.changed_elsewhere(wait):
-                self.catch_up()
+            elif self.index.changed_elsewhere(wait) or self._behind:
+                self.catch_up(wait)
 
-    def catch_up(self) -> None:
+    def catch_up(self, wait: bool = True) -> None:
         """Apply the change log's entries since the tree's position (every process's
         commits, this one's included: applying those again changes nothing); reload the
         whole tree when the log cannot tell (trimmed past the position, or no log) or
-        its changes do not fit the tree."""
+        its changes do not fit the tree. Not ``wait``: nothing now if another thread of
+        this process is using the index (the next `refresh` catches up)."""
         with self.lock:
-            changes = self.index.changes_since(self._log_seq)
+            changes = self.index.changes_since(self._log_seq, wait)
+            self._behind = changes is False
+            if changes is False:
+                return
             if changes is None:
                 self.log_reloads += 1
                 self.reload_tree()
@@ -287,7 +294,7 @@ class Catalog:
         with self.lock:
             self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
-            self._stale = False
+            self._stale = self._behind = False
             self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
@@ -329,10 +336,12 @@ class Catalog:
             if staged is None:
                 return None
             # committed: from here on a failure never undoes the commit
-            plan, ids, file_id, record, (tree, version) = staged
+            plan, ids, file_id, record, (tree, version, seq) = staged
             try:
                 if self.tree is tree and tree.version == version:
                     leaf = self._follow_prompt(plan, ids, file_id, record)
+                    if seq is not None and self._log_seq is not None:  # (the tree holds every entry up to this commit's)
+                        self._log_seq = max(self._log_seq, seq)
                 else:  # changed while the commit ran (a refresh, which may have seen the commit): follow the log
                     self.catch_up()
                     leaf = self.tree.get(ids["leaf"])
@@ -370,11 +379,11 @@ class Catalog:
     def _index_prompt(
         self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
         before_commit: Callable[[], None],
-    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord, tuple[RadixTree, int]] | None:
+    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord, tuple[RadixTree, int, int | None]] | None:
         """`commit_prompt`'s transaction; returns what the tree needs to follow it and the
-        tree and its `RadixTree.version` as the plan saw them (``None``: nothing to
-        commit). ``before_commit`` runs last inside the transaction, right before its
-        ``COMMIT``."""
+        tree and its `RadixTree.version` as the plan saw them, and the change log's last
+        entry, this transaction's own (``None``: nothing to commit). ``before_commit``
+        runs last inside the transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.transaction() as conn:
             now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
@@ -403,7 +412,7 @@ class Catalog:
             if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
                 removal.append(self.evictor(conn, budget, record.file_bytes, keep))
-            seen = (self.tree, self.tree.version)
+            seen = (self.tree, self.tree.version, self.index.log_position())
             before_commit()
         return plan, ids, file_id, record, seen
 
