@@ -225,7 +225,16 @@ class Catalog:
         commits, this one's included: applying those again changes nothing); reload the
         whole tree when the log cannot tell (trimmed past the position, or no log) or
         its changes do not fit the tree. Not ``wait``: nothing now if another thread of
-        this process is using the index (the next `refresh` catches up)."""
+        this process is using the index (the next `refresh` catches up). A failure
+        leaves the tree stale: the next `refresh` reloads it."""
+        with self.lock:
+            try:
+                self._catch_up(wait)
+            except BaseException:
+                self._stale = True
+                raise
+
+    def _catch_up(self, wait: bool) -> None:
         with self.lock:
             changes = self.index.changes_since(self._log_seq, wait)
             self._behind = changes is False
@@ -343,7 +352,7 @@ class Catalog:
                     if seq is not None and self._log_seq is not None:  # (the tree holds every entry up to this commit's)
                         self._log_seq = max(self._log_seq, seq)
                 else:  # changed while the commit ran (a refresh, which may have seen the commit): follow the log
-                    self.catch_up()
+                    self.reload_tree() if self._stale else self.catch_up()
                     leaf = self.tree.get(ids["leaf"])
                     halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
                     if halves and all(self.tree.get(h) is not None for h in halves):
