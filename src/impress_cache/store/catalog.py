@@ -28,7 +28,7 @@ import numpy as np
 from ..index.changelog import apply_changes
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.locks import CATALOG, OrderedLock
-from ..index.files import FileRecord, FileTable, NewFile, check_record
+from ..index.files import FileRecord, FileTable, NewFile
 from ..index.sqlite import Index
 from .changes import TreeChanges
 from .chunkfiles import FILE_NAME, OpenFile, OpenFiles
@@ -48,16 +48,6 @@ class Companions(Protocol):
     def drop(self, name: str) -> None: ...
 
     def disk_bytes(self) -> int: ...
-
-
-def _record_of(file_id: int, f: NewFile) -> FileRecord:
-    """The record the index now holds for a file it has just added."""
-    tokens = np.array(f.tokens, dtype=np.int32)
-    tokens.flags.writeable = False
-    return check_record(FileRecord(
-        file_id, f.name, f.format, int(f.first_pos), len(tokens), int(f.chunk_tokens), int(f.layers), int(f.nbytes),
-        int(f.file_bytes), tokens, bytes(f.context), f.perm is not None,
-    ))
 
 
 def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
@@ -220,21 +210,22 @@ class Catalog:
             elif self.index.changed_elsewhere(wait) or self._behind:
                 self.catch_up(wait)
 
-    def catch_up(self, wait: bool = True) -> None:
+    def catch_up(self, wait: bool = True, counted: bool = True) -> None:
         """Apply the change log's entries since the tree's position (every process's
         commits, this one's included: applying those again changes nothing); reload the
         whole tree when the log cannot tell (trimmed past the position, or no log) or
         its changes do not fit the tree. Not ``wait``: nothing now if another thread of
         this process is using the index (the next `refresh` catches up). A failure
-        leaves the tree stale: the next `refresh` reloads it."""
+        leaves the tree stale: the next `refresh` reloads it. ``counted``: a look after
+        another process's commit (``log_applied``), not after this process's own."""
         with self.lock:
             try:
-                self._catch_up(wait)
+                self._catch_up(wait, counted)
             except BaseException:
                 self._stale = True
                 raise
 
-    def _catch_up(self, wait: bool) -> None:
+    def _catch_up(self, wait: bool, counted: bool) -> None:
         with self.lock:
             changes = self.index.changes_since(self._log_seq, wait)
             self._behind = changes is False
@@ -255,7 +246,7 @@ class Catalog:
                 self.reload_tree()
                 return
             self._log_seq = changes.seq
-            self.log_applied += 1
+            self.log_applied += counted
             self._on_leaves(applied.leaves, False)
             self.forget({r.id for r in applied.dropped}, applied.dropped)
 
@@ -323,9 +314,11 @@ class Catalog:
         that would point a node outside an indexed file: `IndexRefusedError`, nothing
         committed.
 
-        The tree and the file table change only once the transaction has committed (the
-        budget's removals too: `TreeChanges`). An exception means nothing was committed
-        and the tree was not touched. Once the transaction has committed,
+        The tree and the file table change only once the transaction has committed: they
+        follow the index's change log (`catch_up`), which holds this commit, whatever
+        else changed the tree while the ``COMMIT`` ran (the budget's removals too:
+        `TreeChanges`). An exception means nothing was committed and the tree was not
+        touched. Once the transaction has committed,
         a step after it that fails (the tree update, the removals' bookkeeping) is
         logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
         the prompt stays stored.
@@ -345,18 +338,15 @@ class Catalog:
             if staged is None:
                 return None
             # committed: from here on a failure never undoes the commit
-            plan, ids, file_id, record, (tree, version, seq) = staged
+            plan, ids, file_id = staged
             try:
-                if self.tree is tree and tree.version == version:
-                    leaf = self._follow_prompt(plan, ids, file_id, record)
-                    if seq is not None and self._log_seq is not None:  # (the tree holds every entry up to this commit's)
-                        self._log_seq = max(self._log_seq, seq)
-                else:  # changed while the commit ran (a refresh, which may have seen the commit): follow the log
-                    self.reload_tree() if self._stale else self.catch_up()
-                    leaf = self.tree.get(ids["leaf"])
-                    halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
-                    if halves and all(self.tree.get(h) is not None for h in halves):
-                        self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
+                # the tree follows the change log, which holds this commit (and whatever
+                # another process committed since): whoever changed the tree meanwhile
+                self.reload_tree() if self._stale else self.catch_up(counted=False)
+                leaf = self.tree.get(ids["leaf"])
+                halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
+                if halves and all(self.tree.get(h) is not None for h in halves):
+                    self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
                 if removal and removal[0] is not None:
                     removal[0].settle()  # (the budget's removals, after the new leaf: they may be below it)
             except BaseException as exc:
@@ -388,11 +378,10 @@ class Catalog:
     def _index_prompt(
         self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
         before_commit: Callable[[], None],
-    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord, tuple[RadixTree, int, int | None]] | None:
-        """`commit_prompt`'s transaction; returns what the tree needs to follow it and the
-        tree and its `RadixTree.version` as the plan saw them, and the change log's last
-        entry, this transaction's own (``None``: nothing to commit). ``before_commit``
-        runs last inside the transaction, right before its ``COMMIT``."""
+    ) -> tuple[InsertPlan, dict[str, int], int] | None:
+        """`commit_prompt`'s transaction; returns its plan, the new node ids and the new
+        file's id (``None``: nothing to commit). ``before_commit`` runs last inside the
+        transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.transaction() as conn:
             now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
@@ -417,25 +406,11 @@ class Catalog:
             assert plan.leaf is not None  # (the prompt is longer than its match)
             leaf_tokens, _, row = plan.leaf
             ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
-            record = _record_of(file_id, new_file)
             if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
-                removal.append(self.evictor(conn, budget, record.file_bytes, keep))
-            seen = (self.tree, self.tree.version, self.index.log_position())
+                removal.append(self.evictor(conn, budget, int(new_file.file_bytes), keep))
             before_commit()
-        return plan, ids, file_id, record, seen
-
-    def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord) -> RadixNode:
-        """The tree (and file table) after `_index_prompt`'s commit; returns the new leaf."""
-        self._add_record(record)
-        parent = plan.parent
-        if plan.split is not None:
-            old, k = plan.split
-            parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
-            self._on_split(old.id, (ids["upper"], ids["lower"]), k)
-        assert plan.leaf is not None
-        leaf_tokens, _, row = plan.leaf
-        return self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
+        return plan, ids, file_id
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile
