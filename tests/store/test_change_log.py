@@ -23,7 +23,7 @@ from impress_cache.store.catalog import Catalog
 from test_budget import prompts
 from test_invariants import PATHS
 from test_reorder import _model, assert_reads_exact, cfg, put
-from test_tree_after_commit import assert_tree_is_the_index, tree_rows
+from test_tree_after_commit import assert_tree_is_the_index, index_rows, tree_rows
 
 #: another process opens the store and runs ``ops`` (each a line of Python with ``store``)
 _ELSEWHERE = """
@@ -182,3 +182,45 @@ def test_a_store_made_before_the_log_opens_read_only_and_is_migrated_when_writte
         store.match(mine[0])
         assert store.stats()["log_applied"] == 1 and store.stats()["log_reloads"] == 0
         assert_tree_is_the_index(store, tmp_path)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_changes_of_another_store_are_followed_exactly(tmp_path, monkeypatch, seed):
+    """Two stores on one directory (two connections: each sees the other's commits as
+    another process's): the other stores, extends, evicts and quarantines in random order,
+    and after every step this store's tree and file table equal the index, followed
+    through the log alone."""
+    import random
+
+    rng = random.Random(seed)
+    pool = prompts(20 + seed, 12)
+    with ImpressStore(tmp_path, _model(), cfg()) as mine, ImpressStore(tmp_path, _model(), cfg()) as other:
+        for t in pool[:3]:
+            put(mine, t)
+        reloads = _count_reloads(monkeypatch)
+        for step in range(25):
+            op = rng.choice(["store", "store", "extend", "evict", "quarantine"])
+            if op == "store":
+                put(other, rng.choice(pool))
+            elif op == "extend":
+                base = rng.choice(pool)
+                put(other, base[: rng.randint(5, len(base))] + [rng.randint(3, 200) for _ in range(rng.randint(1, 9))])
+            elif op == "evict":
+                other.config.disk_bytes = max(1, other.disk_bytes() - rng.randint(1, 3000))
+                other.enforce_disk_budget()
+                other.config.disk_bytes = None
+            else:
+                other.match(pool[0])
+                files = list(other._catalog.records)
+                if files:
+                    other.quarantine(rng.choice(files), "a test")
+            mine.match(pool[0])
+            assert tree_rows(mine) == index_rows(tmp_path), (step, op)
+            if rng.random() < 0.3:
+                put(mine, rng.choice(pool))  # this store writes on the followed tree
+                assert tree_rows(mine) == index_rows(tmp_path), (step, "mine")
+        assert reloads == [] and mine.stats()["log_reloads"] == 0 and mine.stats()["log_applied"] > 0
+        done = other.stats()
+        assert done["prefixes_evicted"] + done["quarantined_files"] > 0  # (removals were followed too)
+        for t in pool:
+            assert_reads_exact(mine, t)
