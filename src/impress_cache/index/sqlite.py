@@ -447,11 +447,6 @@ class Index(StatisticsTables):
             ) from exc
         return tree, files
 
-    def log_position(self) -> int | None:
-        """`_log_position` (inside a transaction: its own entries included)."""
-        with self._lock:
-            return self._log_position()
-
     def _log_position(self) -> int | None:
         """The change log's last sequence number (0: none yet); ``None`` without a log."""
         if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='changes'").fetchone() is None:
