@@ -51,6 +51,16 @@ At each size:
 * **footprint**: `store.disk_bytes()` (what the budget counts) and ``du`` of the store
   over the raw K/V bytes of the stored tokens.
 
+With ``--writer-processes K``, each size also gets ``other_writers``: ImpressCache
+construction p50/p99 of ``--requests`` requests (stored prompts + 8 new tokens, no
+``generate``) alone, then again while K other processes commit new prompts to the same
+store (each opens it without a model and ``put``s prompts of its own one after another);
+``construct_p99_ratio`` is p99 with the writers / p99 alone (each of this process's
+matches then sees other processes' commits). ``--skip-phases`` leaves out the budget
+phases and the open measurement (the growth and ``other_writers`` only):
+
+    python benchmarks/scale.py --sizes 10000 --writer-processes 3 --skip-phases --out /tmp/w.json
+
 The machine is shared with other jobs: timings are noisy; the ratios compare runs of the
 same process at the same size. ``--keep DIR`` keeps the built store (``DIR/store``);
 ``--keep DIR --reuse --sizes N`` measures that store again without growing it.
@@ -372,6 +382,77 @@ def match_latency(store: ImpressStore, prompts: Prompts, stored: int, n: int = 5
     return {"match_us_p50": 1e6 * _pct(xs, 50), "match_us_p99": 1e6 * _pct(xs, 99), "match_found": found / n}
 
 
+_OTHER_WRITER = r"""
+import sys, time
+from pathlib import Path
+import numpy as np, torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[4])
+from scale import Prompts, _kv
+from impress_cache import ImpressConfig, ImpressStore
+path, first, stop = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+store = ImpressStore(path, None, ImpressConfig(reorg_idle_ms=None, device_bytes=0, host_bytes=0))
+prompts, kv, i = Prompts(), {}, first
+print("ready", flush=True)
+while not stop.exists():
+    toks = prompts(i)
+    store.put(toks, *_kv(len(toks), kv))
+    i += 1
+store.close()
+print(i - first, flush=True)
+"""
+
+
+def other_writers(model, store: ImpressStore, path: Path, prompts: Prompts, stored: int, k: int, n: int) -> dict:
+    """ImpressCache construction p50/p99 of ``n`` requests alone, then while ``k`` other
+    processes commit prompts to the same store (`_OTHER_WRITER`)."""
+
+    def construct(seed: int) -> list[float]:
+        rng = np.random.default_rng(seed)
+        xs = []
+        for _ in range(n):
+            ids = torch.tensor([prompts(int(rng.integers(0, stored))) + rng.integers(3, VOCAB, 8).tolist()])
+            t0 = time.perf_counter()
+            ImpressCache(store, ids, attention_mask=torch.ones_like(ids), store_prompt=False)
+            xs.append(time.perf_counter() - t0)
+        return xs
+
+    construct(1)  # warm
+    alone = construct(2)
+    stop = path.parent / "writers.stop"
+    stop.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(Path(__file__).parent)) if p)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OTHER_WRITER, str(path), str(50_000_000 + 1_000_000 * j), str(stop), str(Path(__file__).parent)],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for j in range(k)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # every writer committing
+        before = store._catalog.refreshes
+        t0 = time.perf_counter()
+        loaded = construct(3)
+        seconds = time.perf_counter() - t0
+    finally:
+        stop.touch()
+        commits = [int((p.communicate(timeout=120)[0] or "0").split()[-1]) for p in procs]
+        stop.unlink(missing_ok=True)
+    stats = store.stats()
+    return {
+        "writer_processes": k, "requests": n, "writer_commits": commits, "seconds_with_writers": seconds,
+        "construct_ms_p50_alone": 1e3 * _pct(alone, 50), "construct_ms_p99_alone": 1e3 * _pct(alone, 99),
+        "construct_ms_p50": 1e3 * _pct(loaded, 50), "construct_ms_p99": 1e3 * _pct(loaded, 99),
+        "construct_p99_ratio": _pct(loaded, 99) / _pct(alone, 99),
+        "refreshes": store._catalog.refreshes - before,
+        "log_applied": stats.get("log_applied"), "log_reloads": stats.get("log_reloads"),
+        "loadavg": os.getloadavg(),
+    }
+
+
 def du(path: Path) -> int:
     total = 0
     for dirpath, dirnames, filenames in os.walk(path):
@@ -414,9 +495,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             written = size if not reuse else written
             print(f"[{size}] grown in {time.perf_counter() - t0:.1f} s ({grow.prompts_per_s:.0f} prompts/s)", flush=True)
             row: dict[str, Any] = {"prompts": size, "growth_prompts_per_s": grow.prompts_per_s}
-            both = phases(model, store, prompts, written, args)
-            written = both.pop("written")
-            row.update(both)
+            if not args.skip_phases:
+                both = phases(model, store, prompts, written, args)
+                written = both.pop("written")
+                row.update(both)
+            if args.writer_processes:
+                row["other_writers"] = other_writers(
+                    model, store, path, prompts, written, args.writer_processes, max(100, args.requests)
+                )
+                print(json.dumps(row["other_writers"], indent=1), flush=True)
+                if args.skip_phases:
+                    results.append(row)
+                    continue
             if args.keep is not None:
                 (root / "written.json").write_text(json.dumps({"written": written}))
             row["stored_prompts"] = sum(1 for n in store.tree.nodes() if not n.children)
@@ -494,6 +584,10 @@ def main() -> None:
                     help="build the store in KEEP/store and keep it (to profile the largest size afterwards)")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: measure the store KEEP/store kept by an earlier run (one size, no growth)")
+    ap.add_argument("--writer-processes", type=int, default=0,
+                    help="K: also measure ImpressCache construction while K other processes commit (other_writers)")
+    ap.add_argument("--skip-phases", action="store_true",
+                    help="only the growth and, with --writer-processes, other_writers (no budget phases, no open)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()

@@ -8,6 +8,10 @@ import functools
 import os
 from pathlib import Path
 
+# the store's lock order is checked in every test (and the processes tests start), before
+# any lock is made: a lock taken out of order raises `LockOrderError` (impress_cache.index.locks)
+os.environ["IMPRESS_CACHE_CHECK_LOCKS"] = "1"
+
 import pytest
 import torch
 from transformers import (

@@ -78,7 +78,7 @@ def test_a_failure_after_the_commit_keeps_the_prompt(tmp_path, monkeypatch, capl
             assert_same_as_uncached(model, store, a)
             cfg["disk_bytes"] = store.disk_bytes() + store.stats()["bytes_written"] // 2
     with ImpressStore(tmp_path, model, ImpressConfig(**cfg)) as store:
-        calls = _fail_once(monkeypatch, *((RadixTree, "add_child") if step == "tree" else (Removal, "settle")))
+        calls = _fail_once(monkeypatch, *((RadixTree, "attach") if step == "tree" else (Removal, "settle")))
         assert_same_as_uncached(model, store, b)  # stores b; the step after its commit fails
         assert calls, "the step was not reached"
         monkeypatch.undo()

@@ -102,8 +102,10 @@ def test_foreign_entries_found_by_the_deferred_scan_are_reported_and_kept(tmp_pa
 
 
 def test_a_file_missing_from_a_stale_view_is_not_a_leftover(tmp_path, monkeypatch):
-    """Another store commits a file, and this store's reload of the index fails: the scan
-    (which the next write retries) must not take the other store's file for a leftover."""
+    """Another store commits a file, and this store fails to follow the index (reading the
+    change log, then reloading): the scan (which the next write retries) must not take
+    the other store's file for a leftover."""
+    from impress_cache.index.sqlite import Index
     from impress_cache.store.catalog import Catalog
     from impress_cache.store.leftovers import remove_leftovers
 
@@ -122,9 +124,16 @@ def test_a_file_missing_from_a_stale_view_is_not_a_leftover(tmp_path, monkeypatc
                 raise OSError("injected: the index could not be read")
             return real(self)
 
+        def log_fails(self, *args):
+            raise OSError("injected: the change log could not be read")
+
         monkeypatch.setattr(Catalog, "_load", failing)
+        monkeypatch.setattr(Index, "changes_since", log_fails)
         with pytest.raises(OSError):
-            a._catalog.refresh()  # sees b's commit, fails to reload
+            a._catalog.refresh()  # sees b's commit, fails to follow it (the tree is left stale)
+        assert a._catalog.stale
+        with pytest.raises(OSError):
+            a._catalog.refresh()  # fails to reload
         monkeypatch.undo()
         before = _names(tmp_path)
         assert remove_leftovers(a._catalog, cfg().file_mode)

@@ -270,8 +270,6 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
         self._nodes = NodeTable({0: self.root})
-        #: changes of the tree's shape so far (a plan made before one no longer applies)
-        self.version = 0
 
     @classmethod
     def from_columns(cls, nodes: np.ndarray, offsets: np.ndarray, buf: np.ndarray) -> RadixTree:
@@ -454,7 +452,6 @@ class RadixTree:
         self._nodes[upper.id] = upper
         self._nodes[lower.id] = lower
         del self._nodes[node.id]
-        self.version += 1
         return upper, lower
 
     def replace(self, node: RadixNode, node_id: int, file_id: int, file_row: int) -> RadixNode:
@@ -470,7 +467,6 @@ class RadixTree:
         parent._own_children()[int(node.tokens[0])] = new
         self._nodes[new.id] = new
         del self._nodes[node.id]
-        self.version += 1
         return new
 
     def add_child(
@@ -485,7 +481,6 @@ class RadixTree:
         node = RadixNode(self._free(node_id), tokens, file_id, file_row, parent, terminal)
         parent._own_children()[int(tokens[0])] = node
         self._nodes[node.id] = node
-        self.version += 1
         return node
 
     def remove(self, node: RadixNode) -> None:
@@ -501,7 +496,32 @@ class RadixTree:
         if not kids:
             parent._kids = None
         del self._nodes[node.id]
-        self.version += 1
+
+    def detach(self, node: RadixNode, keep: bool = True) -> None:
+        """Take ``node`` (with its subtree) from its parent's children, for `attach` to put
+        it elsewhere (``keep``) or to drop it (not ``keep``: its id is forgotten; its
+        children stay under it until attached elsewhere)."""
+        parent = node.parent
+        if parent is not None and parent._kids is not None:
+            kids = parent._own_children()
+            first = int(node._buf[node._off])
+            if kids.get(first) is node:
+                del kids[first]
+                if not kids:
+                    parent._kids = None
+        if not keep and self._nodes.get(node.id) is node:
+            del self._nodes[node.id]
+
+    def attach(self, parent: RadixNode, node: RadixNode) -> None:
+        """Put a node (new, or taken out by `detach`) below ``parent``."""
+        first = int(node._buf[node._off])
+        kids = parent._own_children()
+        if first in kids and kids[first] is not node:
+            raise ValueError(f"parent {parent.id} already has a child starting with {first}")
+        kids[first] = node
+        node.parent = parent
+        if self._nodes.get(node.id) is not node:
+            self._nodes[node.id] = node
 
     def subtree(self, node: RadixNode) -> list[RadixNode]:
         """``node`` and all its descendants, children before parents."""

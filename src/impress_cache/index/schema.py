@@ -69,7 +69,40 @@ CREATE TABLE IF NOT EXISTS namespaces (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     digest TEXT NOT NULL UNIQUE
 );
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind INTEGER NOT NULL,
+    id INTEGER NOT NULL
+);
 """
+
+#: `changes` rows: which table a logged change touched
+NODE_CHANGE, FILE_CHANGE = 0, 1
+#: the change log keeps about this many entries: every `LOG_TRIM_EVERY`-th entry deletes
+#: those `LOG_KEEP` or more entries older than itself (a process further behind reloads)
+LOG_KEEP = 4096
+LOG_TRIM_EVERY = 256
+
+
+def _logged(table: str, kind: int, event: str, row: str) -> str:
+    return (
+        f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()}_logged AFTER {event} ON {table} BEGIN "
+        f"INSERT INTO changes(kind, id) VALUES ({kind}, {row}.id); END"
+    )
+
+
+#: the change log (docs: Concurrency): every insert, update and delete of a node or file
+#: row appends the row's id to `changes` in the same transaction, so another process
+#: applies what changed (`Index.changes_since`, `changelog.apply_changes`) instead of
+#: reloading the whole tree; SQL-only, so any writer of the index fills it. Created when
+#: a store is opened for writing, like `TRIGGERS` (a store made before it gets it; the
+#: schema version stays, and a version that does not know the table ignores it).
+CHANGE_LOG = (
+    *(_logged("nodes", NODE_CHANGE, e, "OLD" if e == "DELETE" else "NEW") for e in ("INSERT", "UPDATE", "DELETE")),
+    *(_logged("files", FILE_CHANGE, e, "OLD" if e == "DELETE" else "NEW") for e in ("INSERT", "UPDATE", "DELETE")),
+    f"CREATE TRIGGER IF NOT EXISTS changes_trimmed AFTER INSERT ON changes WHEN NEW.seq % {LOG_TRIM_EVERY} = 0 "
+    f"BEGIN DELETE FROM changes WHERE seq <= NEW.seq - {LOG_KEEP}; END",
+)
 
 #: a node's and a file's statistics go with them (one statement per removal: the disk
 #: budget removes a leaf and perhaps its file with each write at the budget)

@@ -33,7 +33,9 @@ from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, rele
 from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
-from .schema import INVARIANTS, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
+from .changelog import ChangeSet
+from .locks import INDEX, OrderedLock
+from .schema import CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
 
 
 #: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
@@ -69,9 +71,12 @@ class Index(StatisticsTables):
             self._conn = self._connect(path, read_only, file_mode)
         except sqlite3.Error as exc:
             raise index_error(path, exc) from exc
-        self._lock = threading.RLock()
+        self._lock = OrderedLock(INDEX, "index")
         self._in_transaction = False
         self._tx_thread = 0
+        #: the change log's last entry when `load_tree` read the tables (``None``: the
+        #: index has no change log, a store opened read-only that nobody migrated)
+        self.loaded_seq: int | None = None
         try:
             with self._lock:
                 if read_only:
@@ -83,7 +88,7 @@ class Index(StatisticsTables):
                     self._conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
                     with self.transaction() as conn:
                         version = self._check_version(conn)
-                        for statement in [*SCHEMA.split(";"), *TRIGGERS, *INVARIANTS]:  # (stores made before the triggers get them)
+                        for statement in [*SCHEMA.split(";"), *TRIGGERS, *INVARIANTS, *CHANGE_LOG]:  # (stores made before the triggers get them)
                             if statement.strip():
                                 conn.execute(statement)
                         if version is None:
@@ -415,7 +420,8 @@ class Index(StatisticsTables):
             release_free_heap()
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
-        with self._lock, read_snapshot(self._conn):  # one snapshot of both tables
+        with self._lock, read_snapshot(self._conn):  # one snapshot of both tables (and the log's position)
+            self.loaded_seq = self._log_position()
             files = self._load_files()
             cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
             parts = [np.zeros((0, 6), np.int64)]
@@ -441,6 +447,50 @@ class Index(StatisticsTables):
             ) from exc
         return tree, files
 
+    def _log_position(self) -> int | None:
+        """The change log's last sequence number (0: none yet); ``None`` without a log."""
+        if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='changes'").fetchone() is None:
+            return None
+        row = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()
+        return 0 if row is None else int(row[0])
+
+    def changes_since(self, seq: int | None, wait: bool = True) -> ChangeSet | None | bool:
+        """What the change log holds after entry ``seq``: the ids of the node and file rows
+        inserted, updated or deleted since, and the current rows of those still there, all
+        in one read snapshot. ``None`` when the log cannot tell (no log, or its entries
+        after ``seq`` were trimmed away): the caller reloads the whole tree. Not ``wait``:
+        False at once when another thread of this process is using the index."""
+        if seq is None:
+            return None
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            return self._changes_since(seq)
+        finally:
+            self._lock.release()
+
+    def _changes_since(self, seq: int) -> ChangeSet | None:
+        with self._lock, read_snapshot(self._conn):
+            last = self._log_position()
+            if last is None:
+                return None
+            if last == seq:
+                return ChangeSet(seq)
+            first = self._conn.execute("SELECT MIN(seq) FROM changes").fetchone()[0]
+            if last < seq or first is None or first > seq + 1:
+                return None
+            touched = "SELECT id FROM changes WHERE seq > ? AND kind = ?"
+            node_ids = {r[0] for r in self._conn.execute(touched, (seq, NODE_CHANGE))}
+            file_ids = {r[0] for r in self._conn.execute(touched, (seq, FILE_CHANGE))}
+            nodes = self._conn.execute(
+                f"SELECT id, parent, file_id, file_row, length, terminal FROM nodes WHERE id IN ({touched})",
+                (seq, NODE_CHANGE),
+            ).fetchall()
+            files = self._conn.execute(
+                f"SELECT {_FILE_COLUMNS} FROM files WHERE id IN ({touched})", (seq, FILE_CHANGE)
+            ).fetchall()
+        return ChangeSet(last, node_ids, [tuple(map(int, r)) for r in nodes], file_ids, [_record(r) for r in files])
+
     def _load_files(self) -> FileTable:
         """Every file row as a `FileTable` (under the lock, in a read transaction)."""
         _, total = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM files").fetchone()
@@ -454,7 +504,7 @@ class Index(StatisticsTables):
 #: the methods that decode values read back (where a malformed value means damage)
 _DECODING = {
     "get_json", "get_or_set_json", "file", "files", "block_table", "file_perm", "total_bytes", "load_tree",
-    "load_block_stats", "load_node_stats", "load_importance",
+    "load_block_stats", "load_node_stats", "load_importance", "changes_since",
 }
 for _name, _fn in [*vars(StatisticsTables).items(), *vars(Index).items()]:
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):

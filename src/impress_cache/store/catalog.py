@@ -3,9 +3,10 @@
 Everything here runs under one lock (`Catalog.lock`), which the rest of the store takes
 only for a few index operations at a time. The tree in memory mirrors the index and
 changes only after the index transaction that records the change has committed. When
-another process commits to the index, `refresh` reloads the tree and forgets what this
-process knew about files that are gone (``on_forget`` lets the memory tiers drop their
-blocks).
+another process commits to the index, `refresh` applies what the index's change log
+says changed (`index.changelog`; the whole tree is reloaded only when the log cannot
+tell) and forgets what this process knew about files that are gone (``on_forget`` lets
+the memory tiers drop their blocks).
 
 Chunk files are opened relative to the ``chunks/`` directory's descriptor, never through
 a symbolic link, and only if they are regular files; a file's name must be one the store
@@ -24,8 +25,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..index.changelog import apply_changes
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
-from ..index.files import FileRecord, FileTable, NewFile, check_record
+from ..index.locks import CATALOG, OrderedLock
+from ..index.files import FileRecord, FileTable, NewFile
 from ..index.sqlite import Index
 from .changes import TreeChanges
 from .chunkfiles import FILE_NAME, OpenFile, OpenFiles
@@ -45,16 +48,6 @@ class Companions(Protocol):
     def drop(self, name: str) -> None: ...
 
     def disk_bytes(self) -> int: ...
-
-
-def _record_of(file_id: int, f: NewFile) -> FileRecord:
-    """The record the index now holds for a file it has just added."""
-    tokens = np.array(f.tokens, dtype=np.int32)
-    tokens.flags.writeable = False
-    return check_record(FileRecord(
-        file_id, f.name, f.format, int(f.first_pos), len(tokens), int(f.chunk_tokens), int(f.layers), int(f.nbytes),
-        int(f.file_bytes), tokens, bytes(f.context), f.perm is not None,
-    ))
 
 
 def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
@@ -125,7 +118,7 @@ class Catalog:
         self.root = root
         self.chunks = root / CHUNK_DIR
         self.index = index
-        self.lock = threading.RLock()
+        self.lock = OrderedLock(CATALOG, "catalog")
         self._row_bytes = row_bytes
         self._on_forget = on_forget
         self._on_split = on_split
@@ -136,6 +129,14 @@ class Catalog:
         self.refreshes = 0
         #: steps after a committed transaction that failed (`after_commit_failed`)
         self.after_commit_failures = 0
+        #: other processes' commits followed through the change log (`catch_up`), and
+        #: whole-tree reloads instead (the log trimmed past this tree's position, or absent)
+        self.log_applied = 0
+        self.log_reloads = 0
+        #: the change log's entry the tree follows (`Index.changes_since`), and whether
+        #: another process committed after it (seen, not yet applied: the index was busy)
+        self._log_seq: int | None = None
+        self._behind = False
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
         #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
@@ -172,6 +173,7 @@ class Catalog:
 
     def _load(self) -> None:
         self.tree, self.records = self.index.load_tree()
+        self._log_seq = self.index.loaded_seq
         # a generator: only a store that keeps an eviction order lists the leaves
         self._on_leaves(_later(self.tree.leaf_ids), True)
 
@@ -197,14 +199,56 @@ class Catalog:
             return self.tree.match(tokens, limit)
 
     def refresh(self, wait: bool = True) -> None:
-        """Reload the tree if another process changed the index (``wait``: see
-        `Index.changed_elsewhere`)."""
+        """Follow the index if another process changed it (``wait``: see
+        `Index.changed_elsewhere`): `catch_up`, or a reload of a tree left stale."""
         with self.lock:
             if wait and not self.index.in_transaction():  # (inside one, nothing is unsettled)
                 self._settled.wait_for(self._clear)
             self.refreshes += 1
-            if self.index.changed_elsewhere(wait) or self._stale:
+            if self._stale:
                 self.reload_tree()
+            elif self.index.changed_elsewhere(wait) or self._behind:
+                self.catch_up(wait)
+
+    def catch_up(self, wait: bool = True, counted: bool = True) -> None:
+        """Apply the change log's entries since the tree's position (every process's
+        commits, this one's included: applying those again changes nothing); reload the
+        whole tree when the log cannot tell (trimmed past the position, or no log) or
+        its changes do not fit the tree. Not ``wait``: nothing now if another thread of
+        this process is using the index (the next `refresh` catches up). A failure
+        leaves the tree stale: the next `refresh` reloads it. ``counted``: a look after
+        another process's commit (``log_applied``), not after this process's own."""
+        with self.lock:
+            try:
+                self._catch_up(wait, counted)
+            except BaseException:
+                self._stale = True
+                raise
+
+    def _catch_up(self, wait: bool, counted: bool) -> None:
+        with self.lock:
+            changes = self.index.changes_since(self._log_seq, wait)
+            self._behind = changes is False
+            if changes is False:
+                return
+            if changes is None:
+                self.log_reloads += 1
+                self.reload_tree()
+                return
+            if not changes:
+                self._log_seq = changes.seq
+                return
+            try:
+                applied = apply_changes(self.tree, self.records, changes)
+            except ValueError as exc:
+                log.warning("the index's change log does not fit the tree (%s); reloading it", exc)
+                self.log_reloads += 1
+                self.reload_tree()
+                return
+            self._log_seq = changes.seq
+            self.log_applied += counted
+            self._on_leaves(applied.leaves, False)
+            self.forget({r.id for r in applied.dropped}, applied.dropped)
 
     def _clear(self) -> bool:
         return not self._unsettled and not self._aside
@@ -250,7 +294,7 @@ class Catalog:
         with self.lock:
             self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
-            self._stale = False
+            self._stale = self._behind = False
             self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
@@ -270,9 +314,11 @@ class Catalog:
         that would point a node outside an indexed file: `IndexRefusedError`, nothing
         committed.
 
-        The tree and the file table change only once the transaction has committed (the
-        budget's removals too: `TreeChanges`). An exception means nothing was committed
-        and the tree was not touched. Once the transaction has committed,
+        The tree and the file table change only once the transaction has committed: they
+        follow the index's change log (`catch_up`), which holds this commit, whatever
+        else changed the tree while the ``COMMIT`` ran (the budget's removals too:
+        `TreeChanges`). An exception means nothing was committed and the tree was not
+        touched. Once the transaction has committed,
         a step after it that fails (the tree update, the removals' bookkeeping) is
         logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
         the prompt stays stored.
@@ -292,17 +338,15 @@ class Catalog:
             if staged is None:
                 return None
             # committed: from here on a failure never undoes the commit
-            plan, ids, file_id, record, (tree, version) = staged
+            plan, ids, file_id = staged
             try:
-                if self.tree is tree and tree.version == version:
-                    leaf = self._follow_prompt(plan, ids, file_id, record)
-                else:  # changed while the commit ran: a reload (which saw the commit) or else
-                    if self.tree is tree:
-                        self.reload_tree()
-                    leaf = self.tree.get(ids["leaf"])
-                    halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
-                    if halves and all(self.tree.get(h) is not None for h in halves):
-                        self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
+                # the tree follows the change log, which holds this commit (and whatever
+                # another process committed since): whoever changed the tree meanwhile
+                self.reload_tree() if self._stale else self.catch_up(counted=False)
+                leaf = self.tree.get(ids["leaf"])
+                halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
+                if halves and all(self.tree.get(h) is not None for h in halves):
+                    self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
                 if removal and removal[0] is not None:
                     removal[0].settle()  # (the budget's removals, after the new leaf: they may be below it)
             except BaseException as exc:
@@ -334,11 +378,10 @@ class Catalog:
     def _index_prompt(
         self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
         before_commit: Callable[[], None],
-    ) -> tuple[InsertPlan, dict[str, int], int, FileRecord, tuple[RadixTree, int]] | None:
-        """`commit_prompt`'s transaction; returns what the tree needs to follow it and the
-        tree and its `RadixTree.version` as the plan saw them (``None``: nothing to
-        commit). ``before_commit`` runs last inside the transaction, right before its
-        ``COMMIT``."""
+    ) -> tuple[InsertPlan, dict[str, int], int] | None:
+        """`commit_prompt`'s transaction; returns its plan, the new node ids and the new
+        file's id (``None``: nothing to commit). ``before_commit`` runs last inside the
+        transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.transaction() as conn:
             now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
@@ -363,25 +406,11 @@ class Catalog:
             assert plan.leaf is not None  # (the prompt is longer than its match)
             leaf_tokens, _, row = plan.leaf
             ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
-            record = _record_of(file_id, new_file)
             if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
-                removal.append(self.evictor(conn, budget, record.file_bytes, keep))
-            seen = (self.tree, self.tree.version)
+                removal.append(self.evictor(conn, budget, int(new_file.file_bytes), keep))
             before_commit()
-        return plan, ids, file_id, record, seen
-
-    def _follow_prompt(self, plan: InsertPlan, ids: dict[str, int], file_id: int, record: FileRecord) -> RadixNode:
-        """The tree (and file table) after `_index_prompt`'s commit; returns the new leaf."""
-        self._add_record(record)
-        parent = plan.parent
-        if plan.split is not None:
-            old, k = plan.split
-            parent, _ = self.tree.split(old, k, ids["upper"], ids["lower"])
-            self._on_split(old.id, (ids["upper"], ids["lower"]), k)
-        assert plan.leaf is not None
-        leaf_tokens, _, row = plan.leaf
-        return self.tree.add_child(parent, leaf_tokens, file_id, row, ids["leaf"], terminal=1)
+        return plan, ids, file_id
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile

@@ -23,6 +23,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 
+from ..index.locks import LEAF, OrderedLock
 from ..index.radix import Match
 from .activity import Activity
 
@@ -201,7 +202,7 @@ class LeaseTable:
         self._indexed = indexed
         #: grace period of a match, in seconds of ``clock`` (default `MATCH_GRACE_S`)
         self.grace_s = MATCH_GRACE_S if grace_s is None else grace_s
-        self._lock = threading.Lock()
+        self._lock = OrderedLock(LEAF, "lease table", reentrant=False)
         #: releases of leases that garbage collection dropped, applied by `settle`
         self.dropped: deque[tuple[tuple[int, ...], bool]] = deque()
         self._held: Counter[int] = Counter()

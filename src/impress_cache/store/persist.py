@@ -22,6 +22,7 @@ from typing import Any, ContextManager
 import numpy as np
 
 from ..index.files import release_free_heap
+from ..index.locks import LEAF, OrderedLock
 from ..index.guard import float_rows
 from ..index.sqlite import Index
 from ..storage.base import BlockKey
@@ -92,7 +93,7 @@ class StatsKeeper:
         self._aside = aside
         self._interval = interval_s
         self._background = background
-        self._lock = threading.Lock()
+        self._lock = OrderedLock(LEAF, "dirty blocks", reentrant=False)
         self._dirty: set[BlockKey] = set()
         self._saved_at = tiers.now()
         self.closed = False

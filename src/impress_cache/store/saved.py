@@ -42,12 +42,14 @@ class DeferredLoad:
     statistics (never while it holds its own lock), and the writer thread calls it as one
     of its first jobs; the store calls `defer` while it opens, which reads nothing.
 
-    Lock order: ``guard`` (the catalog's lock, held by every index transaction that
-    changes the tree until its ``COMMIT``) first, then the owner's ``lock``; both are
-    held around the read and the install. A thread inside such a transaction that calls
-    in holds the guard already, and a thread that waits for the guard holds neither
-    lock, so the two never wait for each other. (A statistics save holds the index
-    without the guard: it calls nothing that takes it, and must not.) A
+    Lock order (enforced: `index.locks`): ``guard`` (the catalog's lock, held by every
+    index transaction that changes the tree until its ``COMMIT``) is held around the
+    read (which takes the index's lock) and the install; the owner's ``lock`` (ranked
+    above the index's: a transaction's removals update the owner's values) around the
+    install only. A thread inside such a transaction that calls in holds the guard
+    already, and a thread that waits for the guard holds neither lock, so the two never
+    wait for each other. (A statistics save holds the index without the guard: it calls
+    nothing that takes it, and must not.) A
     caller that finds the statistics pending waits for the thread reading them; `pending`
     turns False only once ``install`` has returned, so a caller never sees half of them.
 
@@ -95,12 +97,14 @@ class DeferredLoad:
         owner's lock)."""
         if self._read is None:
             return
-        with self._guard, self._lock:
+        with self._guard:
             read = self._read
             if read is None:  # another thread installed them meanwhile
                 return
             try:
-                self._install(read())
+                saved = read()
+                with self._lock:
+                    self._install(saved)
             except StoreIOError as exc:
                 self.failures += 1
                 if self._in_transaction():  # (the caller's transaction may be rolled back: it must know)

@@ -513,6 +513,11 @@ class ImpressStore:
             selected row, over every layer of those requests; ``1 / chunk_tokens`` is
             the least possible).
 
+            ``log_applied``: other processes' commits followed through the index's change
+            log; ``log_reloads``: whole-tree reloads instead (the log was trimmed past the
+            tree's position, or the store has none: opened read-only before a newer
+            version migrated it).
+
             ``remote``: the remote tier's counters (`RemoteCounters`), ``None`` without one;
             ``saved_rows_skipped``: saved statistics skipped as impossible, per kind.
             ``state_checkpoints``, ``state_bytes``: a hybrid model's state checkpoints.
@@ -521,7 +526,9 @@ class ImpressStore:
             self._writer.counters, self._io.counters, self._gc.counters, self.tiers.stats(), self.tiers.policy.name,
             len(self.tree), len(self._catalog.records), self.disk_bytes(), self.config.disk_bytes,
         )
-        out.update(self._reorder.stats(), after_commit_failures=self._catalog.after_commit_failures)
+        cat = self._catalog
+        out.update(self._reorder.stats(), after_commit_failures=cat.after_commit_failures)
+        out.update(log_applied=cat.log_applied, log_reloads=cat.log_reloads)
         out.update(remote=self._remote.stats(), saved_rows_skipped=dict(self._stats.skipped))
         out["state_checkpoints"], out["state_bytes"] = StateCheckpoints.usage_of(self.states)
         return out
@@ -531,6 +538,7 @@ class ImpressStore:
         self._writer.counters = type(self._writer.counters)()
         self._gc.counters = type(self._gc.counters)()
         self._catalog.after_commit_failures = 0
+        self._catalog.log_applied = self._catalog.log_reloads = 0
         self._io.reset()
         self._reorder.reset_stats()
         self.tiers.reset_stats()

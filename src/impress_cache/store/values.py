@@ -29,13 +29,13 @@ record per node.
 from __future__ import annotations
 
 import heapq
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from ..index.columns import PackedColumns
+from ..index.locks import STATISTICS, OrderedLock
 from ..index.files import find_sorted
 from ..tiers.policies.base import EvictionPolicy
 from .saved import DeferredLoad
@@ -49,7 +49,7 @@ class NodeValues:
     def __init__(self, policy: EvictionPolicy, clock: Callable[[], float]) -> None:
         self._policy = policy
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = OrderedLock(STATISTICS, "node values", reentrant=False)
         self.dirty: set[int] = set()
         self._heap: list[tuple[tuple[float, int], int]] = []
         #: nodes with at least one heap item (a forgotten node loses its place)

@@ -18,13 +18,13 @@ rows with impossible values are skipped).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from ...index.locks import STATISTICS, OrderedLock
 from ...index.radix import Segment
 from ..saved import DeferredLoad
 
@@ -46,7 +46,7 @@ class ImportanceStats:
         self.layers = layers
         self.half_life_s = half_life_s
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = OrderedLock(STATISTICS, "importance statistics", reentrant=False)
         self._nodes: dict[int, NodeImportance] = {}
         self.dirty: set[int] = set()
         #: the saved statistics (``read()`` gives them as `_install` takes them), read after

@@ -1,0 +1,226 @@
+"""The index's change log (issue 25): a process follows another's commits by applying what
+changed, not by reloading the whole tree.
+
+Another process (a real one, on the same store directory) stores prompts (with splits of
+this process's nodes), evicts, quarantines; this process then matches, which looks at the
+index, applies the logged changes and ends with the tree a fresh open loads, counted in
+``log_applied`` and without a reload (``log_reloads``). A log trimmed past the tree's
+position falls back to a reload; a store made before the log gets it when opened for
+writing (without a new schema version), and a read-only open of such a store still works.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from impress_cache import ImpressStore
+from impress_cache.store.catalog import Catalog
+from test_budget import prompts
+from test_invariants import PATHS
+from test_reorder import _model, assert_reads_exact, cfg, put
+from test_tree_after_commit import assert_tree_is_the_index, index_rows, tree_rows
+
+#: another process opens the store and runs ``ops`` (each a line of Python with ``store``)
+_ELSEWHERE = """
+import sys
+sys.path[:0] = {paths!r}
+from impress_cache import ImpressStore
+from test_budget import prompts
+from test_reorder import _model, cfg, put
+with ImpressStore({store!r}, _model(), cfg()) as store:
+{ops}
+"""
+
+
+def elsewhere(path: Path, *ops: str) -> str:
+    code = _ELSEWHERE.format(paths=PATHS, store=str(path), ops="\n".join("    " + op for op in ops))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _count_reloads(monkeypatch) -> list[int]:
+    real = Catalog.reload_tree
+    calls: list[int] = []
+
+    def counted(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(Catalog, "reload_tree", counted)
+    return calls
+
+
+def _log_size(path: Path) -> int:
+    conn = sqlite3.connect(path / "index.sqlite")
+    try:
+        return conn.execute("SELECT COUNT(*) FROM changes").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("what", ["store", "extend", "evict", "quarantine", "mixed"])
+def test_another_process_s_commits_are_applied_not_reloaded(tmp_path, monkeypatch, what):
+    mine = prompts(1, 6)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for t in mine:
+            put(store, t)
+        for t in mine:
+            store.match(t)
+        before = tree_rows(store)
+        ops = {
+            # new prompts sharing this process's system prompts: splits and new leaves
+            "store": ["for t in prompts(9, 5): put(store, t)"],
+            # this process's prompts grown by a tail: new children below its leaves
+            "extend": [f"for t in {mine!r}: put(store, t + [7, 8, 9, 10, 11])"],
+            "evict": ["store.config.disk_bytes = 1", "store.enforce_disk_budget()"],
+            "quarantine": [f"store.quarantine(store.match({mine[0]!r}).segments[-1].file_id, 'a test')"],
+            "mixed": [
+                "for t in prompts(9, 5): put(store, t)",
+                f"store.quarantine(store.match({mine[1]!r}).segments[-1].file_id, 'a test')",
+                "for t in prompts(11, 3): put(store, t)",
+                "store.config.disk_bytes = store.disk_bytes() - 1",
+                "store.enforce_disk_budget()",
+                "store.config.disk_bytes = None",
+                f"put(store, {mine[2]!r} + [5, 6, 7])",
+            ],
+        }[what]
+        elsewhere(tmp_path, *ops)
+        reloads = _count_reloads(monkeypatch)
+        stats0 = store.stats()
+        store.match(mine[0])  # (looks at the index: another process committed)
+        stats = store.stats()
+        assert reloads == [] and stats["log_reloads"] == stats0["log_reloads"]
+        assert stats["log_applied"] == stats0["log_applied"] + 1
+        assert tree_rows(store) != before  # (something did change)
+        assert_tree_is_the_index(store, tmp_path)
+        for t in mine + prompts(9, 5):
+            assert_reads_exact(store, t)  # (what is matched reads back exactly)
+        # this process goes on writing on the followed tree
+        extra = prompts(13, 3)
+        for t in extra:
+            put(store, t)
+        for t in extra:
+            assert assert_reads_exact(store, t) == len(t)
+        assert reloads == []
+        assert_tree_is_the_index(store, tmp_path)
+
+
+def test_a_log_trimmed_past_the_tree_s_position_falls_back_to_a_reload(tmp_path, monkeypatch):
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, prompts(1, 1)[0])
+    conn = sqlite3.connect(tmp_path / "index.sqlite")  # a short log: trimmed every 4 entries to the last 8
+    conn.execute("DROP TRIGGER changes_trimmed")
+    conn.execute(
+        "CREATE TRIGGER changes_trimmed AFTER INSERT ON changes WHEN NEW.seq % 4 = 0 "
+        "BEGIN DELETE FROM changes WHERE seq <= NEW.seq - 8; END"
+    )
+    conn.commit()
+    conn.close()
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        store.match(prompts(1, 1)[0])
+        elsewhere(tmp_path, "for t in prompts(9, 8): put(store, t)")
+        assert _log_size(tmp_path) < 8 + 4  # (the first entries after the tree's position are gone)
+        reloads = _count_reloads(monkeypatch)
+        store.match(prompts(9, 1)[0])
+        assert reloads == [1] and store.stats()["log_reloads"] == 1
+        assert_tree_is_the_index(store, tmp_path)
+        # from the reloaded tree's position on, the log is followed again
+        elsewhere(tmp_path, "put(store, prompts(10, 1)[0])")
+        store.match(prompts(9, 1)[0])
+        assert reloads == [1] and store.stats()["log_applied"] == 1
+        assert_tree_is_the_index(store, tmp_path)
+        # this process's own writes, many more than the log keeps, move its position on
+        # with them: another process's next commit is still followed through the log
+        for t in prompts(12, 8):
+            put(store, t)
+        elsewhere(tmp_path, "put(store, prompts(14, 1)[0])")
+        store.match(prompts(9, 1)[0])
+        assert reloads == [1] and store.stats()["log_applied"] == 2
+        assert_tree_is_the_index(store, tmp_path)
+
+
+def _as_before_the_log(path: Path) -> None:
+    """Make the store's index look like one made before the change log."""
+    conn = sqlite3.connect(path / "index.sqlite")
+    for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger' AND sql LIKE '%changes%'").fetchall():
+        conn.execute(f"DROP TRIGGER {name}")
+    conn.execute("DROP TABLE changes")
+    conn.commit()
+    conn.close()
+
+
+def test_a_store_made_before_the_log_opens_read_only_and_is_migrated_when_written(tmp_path, monkeypatch):
+    mine = prompts(1, 4)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for t in mine:
+            put(store, t)
+    _as_before_the_log(tmp_path)
+    version = sqlite3.connect(tmp_path / "index.sqlite").execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    with ImpressStore(tmp_path, _model(), cfg(), read_only=True) as ro:
+        assert ro._catalog._log_seq is None  # (no log: another process's commit reloads)
+        assert ro.match(mine[0]).length == len(mine[0])
+        with ImpressStore(tmp_path, _model(), cfg()) as store:  # opened for writing: migrated
+            assert store._catalog._log_seq == 0
+            put(store, prompts(5, 1)[0])
+            assert _log_size(tmp_path) > 0
+        reloads = _count_reloads(monkeypatch)
+        assert ro.match(prompts(5, 1)[0]).length == len(prompts(5, 1)[0])
+        assert reloads == [1] and ro.stats()["log_reloads"] == 1
+    conn = sqlite3.connect(tmp_path / "index.sqlite")
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == version
+    conn.close()
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for t in mine:
+            assert assert_reads_exact(store, t) == len(t)
+        elsewhere(tmp_path, "for t in prompts(9, 3): put(store, t)")
+        store.match(mine[0])
+        assert store.stats()["log_applied"] == 1 and store.stats()["log_reloads"] == 0
+        assert_tree_is_the_index(store, tmp_path)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_changes_of_another_store_are_followed_exactly(tmp_path, monkeypatch, seed):
+    """Two stores on one directory (two connections: each sees the other's commits as
+    another process's): the other stores, extends, evicts and quarantines in random order,
+    and after every step this store's tree and file table equal the index, followed
+    through the log alone."""
+    import random
+
+    rng = random.Random(seed)
+    pool = prompts(20 + seed, 12)
+    with ImpressStore(tmp_path, _model(), cfg()) as mine, ImpressStore(tmp_path, _model(), cfg()) as other:
+        for t in pool[:3]:
+            put(mine, t)
+        reloads = _count_reloads(monkeypatch)
+        for step in range(25):
+            op = rng.choice(["store", "store", "extend", "evict", "quarantine"])
+            if op == "store":
+                put(other, rng.choice(pool))
+            elif op == "extend":
+                base = rng.choice(pool)
+                put(other, base[: rng.randint(5, len(base))] + [rng.randint(3, 200) for _ in range(rng.randint(1, 9))])
+            elif op == "evict":
+                other.config.disk_bytes = max(1, other.disk_bytes() - rng.randint(1, 3000))
+                other.enforce_disk_budget()
+                other.config.disk_bytes = None
+            else:
+                other.match(pool[0])
+                files = list(other._catalog.records)
+                if files:
+                    other.quarantine(rng.choice(files), "a test")
+            mine.match(pool[0])
+            assert tree_rows(mine) == index_rows(tmp_path), (step, op)
+            if rng.random() < 0.3:
+                put(mine, rng.choice(pool))  # this store writes on the followed tree
+                assert tree_rows(mine) == index_rows(tmp_path), (step, "mine")
+        assert reloads == [] and mine.stats()["log_reloads"] == 0 and mine.stats()["log_applied"] > 0
+        done = other.stats()
+        assert done["prefixes_evicted"] + done["quarantined_files"] > 0  # (removals were followed too)
+        for t in pool:
+            assert_reads_exact(mine, t)
