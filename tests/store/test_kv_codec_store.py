@@ -98,6 +98,36 @@ def test_the_model_record_names_the_codec_only_when_set(tmp_path):
     assert json.loads(SafetensorsFormat().read_metadata(f)["model"])["kv_codec"] == "fp8"
 
 
+def test_a_codec_store_has_a_schema_version_that_older_versions_refuse(tmp_path, capsys):
+    """Versions before the codec read schema 3 only: a codec store records 4 (those
+    versions would read its blocks as raw K/V and quarantine every file), a store without
+    a codec stays 3; this version opens both, and a repaired codec store stays 4."""
+    from impress_cache.index.schema import CODEC_SCHEMA_VERSION, SCHEMA_VERSION
+
+    def version(path: Path) -> str:
+        import sqlite3
+
+        con = sqlite3.connect(path / "index.sqlite")
+        try:
+            return con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+        finally:
+            con.close()
+
+    model = tiny_model("llama")
+    _put(tmp_path / "plain", model, None)
+    _put(tmp_path / "int8", model, "int8")
+    assert (version(tmp_path / "plain"), version(tmp_path / "int8")) == (SCHEMA_VERSION, CODEC_SCHEMA_VERSION) == ("3", "4")
+    with ImpressStore(tmp_path / "int8", model, _cfg("int8")) as store:  # reopened: still matched
+        assert store.match(_tokens().tolist()).length == N
+    assert version(tmp_path / "int8") == "4"
+    (tmp_path / "int8" / "index.sqlite").unlink()
+    for side in ("-wal", "-shm"):
+        (tmp_path / "int8" / f"index.sqlite{side}").unlink(missing_ok=True)
+    assert cli_main(["verify", "--repair", str(tmp_path / "int8")]) == 0
+    capsys.readouterr()
+    assert version(tmp_path / "int8") == "4"
+
+
 @pytest.mark.parametrize(("made", "opened"), [(None, "int8"), ("int8", None), ("int8", "fp8"), ("fp8", "int8")])
 def test_opening_a_store_with_another_codec_is_refused(tmp_path, made, opened):
     model = tiny_model("llama")

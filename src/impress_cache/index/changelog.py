@@ -98,7 +98,7 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
                 continue
             if node is None:
                 rec = records.get(row[2])
-                if rec is None or row[3] < 0 or row[3] + row[4] > rec.n_tokens:
+                if rec is None or row[3] < 0 or row[4] <= 0 or row[3] + row[4] > rec.n_tokens:
                     raise ValueError(f"node {row[0]} points outside file {row[2]}")
                 node = RadixNode(row[0], as_tokens(rec.tokens[row[3] : row[3] + row[4]]), row[2], row[3], parent, row[5])
                 out.added_nodes += 1

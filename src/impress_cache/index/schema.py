@@ -2,6 +2,12 @@
 creates it, and it and `stats_tables.py` are the only modules that run SQL."""
 
 SCHEMA_VERSION = "3"
+#: the schema version of a store whose K/V blocks are encoded (``kv_codec``): the same
+#: tables, but versions before the codec, which would read its blocks as raw K/V (and
+#: quarantine every file when the checksums fail), refuse it by its version
+CODEC_SCHEMA_VERSION = "4"
+#: the versions this code reads
+SCHEMA_VERSIONS = (SCHEMA_VERSION, CODEC_SCHEMA_VERSION)
 #: bytes the WAL keeps after a checkpoint that emptied it (``PRAGMA journal_size_limit``)
 WAL_LIMIT = 1 << 20
 

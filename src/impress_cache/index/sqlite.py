@@ -35,7 +35,9 @@ from .radix import RadixTree
 
 from .changelog import ChangeSet
 from .locks import INDEX, OrderedLock
-from .schema import CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, TRIGGERS, WAL_LIMIT
+from .schema import (
+    CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSIONS, TRIGGERS, WAL_LIMIT,
+)
 
 
 #: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
@@ -132,7 +134,7 @@ class Index(StatisticsTables):
         version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() if _has_meta(conn) else None
         if version is None and self.read_only:
             raise StoreFormatError(f"the index {self.path} records no schema version: it is not an impress_cache store")
-        if version is not None and version[0] != SCHEMA_VERSION:
+        if version is not None and version[0] not in SCHEMA_VERSIONS:
             raise StoreFormatError(
                 f"the index {self.path} has schema version {version[0]}; this version of impress_cache "
                 f"reads schema {SCHEMA_VERSION}. Stores of older versions cannot be upgraded in place: "
@@ -235,6 +237,14 @@ class Index(StatisticsTables):
     def get_json(self, key: str) -> Any:
         raw = self.get_meta(key)
         return None if raw is None else json.loads(raw)
+
+    def set_schema_version(self, version: str) -> None:
+        """Record the schema version (`schema.CODEC_SCHEMA_VERSION` for a store with a
+        ``kv_codec``, so that older versions refuse it)."""
+        if version not in SCHEMA_VERSIONS:
+            raise ValueError(f"unknown schema version {version!r}")
+        with self.transaction() as conn:
+            conn.execute("UPDATE meta SET value=? WHERE key='schema_version' AND value != ?", (version, version))
 
     def get_or_set_json(self, key: str, value: Any) -> Any:
         """The stored value of ``key``, after storing ``value`` if there was none; one

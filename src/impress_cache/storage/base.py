@@ -127,21 +127,31 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
 
 
+#: rows of a layer encoded at once by a ``kv_codec`` (bounds the writer's float32 copy)
+CODEC_SLICE_ROWS = 1024
+
+
 def iter_blocks(
     keys: list[torch.Tensor], values: list[torch.Tensor], chunk_tokens: int, codec: str | None = None
 ) -> Iterator[BlockData]:
     """Cut per-layer ``[H, N, D]`` keys and values into K/V blocks, layer by layer; with
-    ``codec`` each block is encoded (`kv_codec.encode`: ``uint8 [2, H, rows, D + 4]``)."""
+    ``codec`` each block is encoded (`kv_codec.encode`: ``uint8 [2, H, rows, D + 4]``), a
+    slice of whole blocks at a time (scales are per row: the slicing changes no byte)."""
+    step = chunk_tokens * max(1, CODEC_SLICE_ROWS // chunk_tokens)
     for layer, (k, v) in enumerate(zip(keys, values)):
         n = k.shape[-2]
-        coded = None if codec is None else kv_codec.encode(torch.stack((k, v)), codec)  # one call per layer
-        for block, start in enumerate(range(0, n, chunk_tokens)):
-            end = min(start + chunk_tokens, n)
-            if coded is None:
-                kv = torch.stack((k[:, start:end], v[:, start:end])).contiguous()
-            else:
-                kv = coded[:, :, start:end].contiguous()
-            yield BlockData(KV, layer, block, end - start, kv.dtype, tuple(kv.shape), tensor_bytes(kv))
+        block = 0
+        for s0 in range(0, n, step):
+            s1 = min(s0 + step, n)
+            coded = None if codec is None else kv_codec.encode(torch.stack((k[:, s0:s1], v[:, s0:s1])), codec)
+            for start in range(s0, s1, chunk_tokens):
+                end = min(start + chunk_tokens, s1)
+                if coded is None:
+                    kv = torch.stack((k[:, start:end], v[:, start:end])).contiguous()
+                else:
+                    kv = coded[:, :, start - s0 : end - s0].contiguous()
+                yield BlockData(KV, layer, block, end - start, kv.dtype, tuple(kv.shape), tensor_bytes(kv))
+                block += 1
 
 
 def checksum(data: bytes | memoryview, seed: int = 0) -> int:

@@ -16,6 +16,9 @@ codec      code of value ``x`` in a row with absmax m  error bound per value
 ``fp8``    ``float8_e4m3fn(x / s)``, ``s = m / 448``   ``|x| / 16`` plus ``s / 1024``
 =========  ==========================================  ===============================
 
+The bounds are of the decoded value in float32; decoding into float16 or bfloat16 adds
+that dtype's rounding (half a unit in the last place).
+
 With head_dim 64 a row takes ``68`` bytes per head and K or V instead of ``256`` in
 float32 (0.27x), ``128`` in float16/bfloat16 (0.53x). Decoding writes straight into
 the destination tensor (`decode_into`), in the pool dtype, so the memory tiers and

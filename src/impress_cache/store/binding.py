@@ -13,6 +13,7 @@ import torch
 from .. import probe as probe_codec
 from ..config import ImpressConfig
 from ..errors import ConfigError, StoreFormatError
+from ..index.schema import CODEC_SCHEMA_VERSION
 from ..index.sqlite import Index
 from ..model_info import ModelSpec, model_spec
 
@@ -78,6 +79,8 @@ def check_model_record(index: Index, model: Any) -> None:
     checksum gets it here (when it is open for writing) from the record as it is."""
     if model is None:
         return
+    if isinstance(model, dict) and model.get("kv_codec") and not index.read_only:
+        index.set_schema_version(CODEC_SCHEMA_VERSION)
     want = model_sum(model)
     have = index.get_json(MODEL_SUM) if index.read_only else index.get_or_set_json(MODEL_SUM, want)
     if have is not None and have != want:
