@@ -155,7 +155,11 @@ def measure(name: str, runs: int, once: Any) -> dict[str, Any]:
     }
     for key in rows[0][2]:
         vals = [r[2][key] for r in rows]
-        out[key] = _median(vals) if isinstance(vals[0], (int, float)) else vals[0]
+        numbers = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if numbers:  # (a figure some runs lack, e.g. a sparse plan's, is the median of the others)
+            out[key] = _median(numbers)
+        else:  # the same in every run, or every run's (the defaults' plan may change between runs)
+            out[key] = vals[0] if all(v == vals[0] for v in vals) else vals
     print(f"  {name:22s} ttft {out['ttft_s']:.3f} s  runs {out['ttft_runs_s']}", flush=True)
     return out
 
