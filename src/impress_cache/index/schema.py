@@ -85,9 +85,12 @@ CREATE TABLE IF NOT EXISTS changes (
 #: `changes` rows: which table a logged change touched
 NODE_CHANGE, FILE_CHANGE = 0, 1
 #: the change log keeps about this many entries: every `LOG_TRIM_EVERY`-th entry deletes
-#: those `LOG_KEEP` or more entries older than itself (a process further behind reloads)
-LOG_KEEP = 4096
-LOG_TRIM_EVERY = 256
+#: those `LOG_KEEP` or more entries older than itself (a process further behind reloads).
+#: About 4 entries per stored prompt: 1,024 let a process lag some 250 writes behind and
+#: cost about 13 KB of index (4,096 cost about 53 KB: in a small store with a disk
+#: budget, a prompt's worth of room, which the budget then took from the chunk files)
+LOG_KEEP = 1024
+LOG_TRIM_EVERY = 128
 
 
 def _logged(table: str, kind: int, event: str, row: str) -> str:
