@@ -464,12 +464,19 @@ class Index(StatisticsTables):
         row = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()
         return 0 if row is None else int(row[0])
 
-    def changes_since(self, seq: int | None, wait: bool = True) -> ChangeSet | None | bool:
+    def changes_since(
+        self, seq: int | None, wait: bool = True, conn: sqlite3.Connection | None = None
+    ) -> ChangeSet | None | bool:
         """What the change log holds after entry ``seq``: the ids of the node and file rows
         inserted, updated or deleted since, and the current rows of those still there, all
         in one read snapshot. ``None`` when the log cannot tell (no log, or its entries
         after ``seq`` were trimmed away): the caller reloads the whole tree. Not ``wait``:
-        False at once when another thread of this process is using the index."""
+        False at once when another thread of this process is using the index. ``conn``:
+        this thread's open write transaction, read right before its ``COMMIT`` (its own
+        uncommitted rows and entries included, no read transaction of its own): under the
+        write lock no other process commits, so that is the index once ``COMMIT`` returns."""
+        if conn is not None and (conn is not self._conn or not self.in_transaction()):
+            raise RuntimeError("changes_since(conn=...) reads inside this thread's own index transaction only")
         if seq is None:
             return None
         if not self._lock.acquire(blocking=wait):
@@ -480,7 +487,7 @@ class Index(StatisticsTables):
             self._lock.release()
 
     def _changes_since(self, seq: int) -> ChangeSet | None:
-        with self._lock, read_snapshot(self._conn):
+        with self._lock, read_snapshot(self._conn):  # (inside a write transaction: read with it, no BEGIN)
             last = self._log_position()
             if last is None:
                 return None

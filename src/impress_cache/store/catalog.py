@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ..index.changelog import apply_changes
+from ..index.changelog import ChangeSet, apply_changes
 from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
 from ..index.locks import CATALOG, OrderedLock
 from ..index.files import FileRecord, FileTable, NewFile
@@ -55,34 +55,58 @@ def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
 
 
 class _Handover:
-    """The catalog's lock around a write: held from ``with`` on; `let_go`, right before
+    """The catalog's lock around a write: held from ``with`` on; `stage`, right before
     the transaction's ``COMMIT`` (which waits for the disk, while requests need the lock
-    to match), marks the tree unsettled and releases the lock; `retake` takes it again;
-    the end of the ``with`` marks the tree settled (`Catalog.transaction` waits for
-    that) and releases it. Whoever takes the lock meanwhile sees the tree as it was
-    before the write: neither the leaves its transaction removes nor its new prompt
-    (both are applied once ``COMMIT`` has returned: `TreeChanges`)."""
+    to match), marks the tree unsettled, releases the lock and reads the change set the
+    commit brings (inside the transaction); `retake` takes the lock again; `follow`
+    applies that set to the tree; the end of the ``with`` marks the tree settled
+    (`Catalog.transaction` waits for that) and releases the lock. Whoever takes the lock
+    meanwhile sees the tree as it was before the write: neither the leaves its
+    transaction removes nor its new prompt."""
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog
         self._held = self._went = False
+        #: the tree's log position and the change log after it, read inside the transaction
+        self.staged: tuple[int | None, ChangeSet | None] = (None, None)
 
     def __enter__(self) -> _Handover:
         self._catalog.lock.acquire()
         self._held = True
         return self
 
-    def let_go(self) -> None:
+    def stage(self, conn: Any) -> None:
+        """Last inside the write transaction ``conn``: let the lock go and read what the
+        change log holds after the tree's position, this transaction's entries included
+        (`Index.changes_since` with ``conn``); a set a failed ``COMMIT`` discards unused."""
+        cat = self._catalog
+        start = cat._log_seq  # (under the lock; no thread moves it before the COMMIT)
         if self._held:
-            self._catalog._unsettled += 1
+            cat._unsettled += 1
             self._went = True
-            self._catalog.lock.release()
+            cat.lock.release()
             self._held = False
+        self.staged = (start, cat.index.changes_since(start, conn=conn))
 
     def retake(self) -> None:
         if not self._held:
             self._catalog.lock.acquire()
             self._held = True
+
+    def follow(self) -> None:
+        """After the ``COMMIT``, under the lock: the tree becomes what the index held right
+        before it (the `staged` set), without a look at the index, which a statistics
+        save or a checkpoint of another thread may hold by now. Nothing to do when another
+        thread followed the log past this commit meanwhile; the index is read only when
+        the log could not tell (the tree is reloaded) or the tree is stale."""
+        cat = self._catalog
+        start, pending = self.staged
+        if cat.stale:
+            cat.reload_tree()
+        elif pending is not None and cat._log_seq == start:
+            cat._follow(pending, counted=False)
+        elif pending is None or cat._log_seq is None or cat._log_seq < pending.seq:
+            cat.catch_up(counted=False)
 
     def __exit__(self, *exc: object) -> None:
         self.retake()
@@ -234,7 +258,13 @@ class Catalog:
             if changes is None:
                 self.log_reloads += 1
                 self.reload_tree()
-                return
+            else:
+                self._follow(changes, counted)
+
+    def _follow(self, changes: ChangeSet, counted: bool) -> None:
+        """Apply a change set read from the log after the tree's position (`_catch_up`,
+        or a write's own, read before its ``COMMIT``: `_Handover.follow`)."""
+        with self.lock:
             if not changes:
                 self._log_seq = changes.seq
                 return
@@ -315,11 +345,12 @@ class Catalog:
         committed.
 
         The tree and the file table change only once the transaction has committed: they
-        follow the index's change log (`catch_up`), which holds this commit, whatever
-        else changed the tree while the ``COMMIT`` ran (the budget's removals too:
-        `TreeChanges`). An exception means nothing was committed and the tree was not
-        touched. Once the transaction has committed,
-        a step after it that fails (the tree update, the removals' bookkeeping) is
+        take the change log after their position as read inside the transaction, right
+        before its ``COMMIT`` (this commit, the budget's removals with it; nobody else can
+        commit then): applied after the ``COMMIT`` without a look at the index, which
+        another thread may hold by then (`_Handover.follow`). An exception means nothing
+        was committed and the tree was not touched. Once the transaction has committed, a
+        step after it that fails (the tree update, the removals' bookkeeping) is
         logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
         the prompt stays stored.
         """
@@ -328,7 +359,7 @@ class Catalog:
         with _Handover(self) as hand:
             try:
                 try:
-                    staged = self._index_prompt(arr, matched, new_file, budget, removal, hand.let_go)
+                    staged = self._index_prompt(arr, matched, new_file, budget, removal, hand.stage)
                 finally:
                     hand.retake()
             except BaseException:
@@ -340,9 +371,7 @@ class Catalog:
             # committed: from here on a failure never undoes the commit
             plan, ids, file_id = staged
             try:
-                # the tree follows the change log, which holds this commit (and whatever
-                # another process committed since): whoever changed the tree meanwhile
-                self.reload_tree() if self._stale else self.catch_up(counted=False)
+                hand.follow()  # (the change set read before the COMMIT: no look at the index)
                 leaf = self.tree.get(ids["leaf"])
                 halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
                 if halves and all(self.tree.get(h) is not None for h in halves):
@@ -377,11 +406,11 @@ class Catalog:
 
     def _index_prompt(
         self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
-        before_commit: Callable[[], None],
+        before_commit: Callable[[Any], None],
     ) -> tuple[InsertPlan, dict[str, int], int] | None:
         """`commit_prompt`'s transaction; returns its plan, the new node ids and the new
-        file's id (``None``: nothing to commit). ``before_commit`` runs last inside the
-        transaction, right before its ``COMMIT``."""
+        file's id (``None``: nothing to commit). ``before_commit(conn)`` runs last inside
+        the transaction, right before its ``COMMIT``."""
         ids: dict[str, int] = {}
         with self.transaction() as conn:
             now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
@@ -409,7 +438,7 @@ class Catalog:
             if budget is not None and self.evictor is not None:
                 keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
                 removal.append(self.evictor(conn, budget, int(new_file.file_bytes), keep))
-            before_commit()
+            before_commit(conn)
         return plan, ids, file_id
 
     def replace_node(

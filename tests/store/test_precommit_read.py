@@ -1,0 +1,244 @@
+"""A write reads its change set before its ``COMMIT`` and updates the tree without the index.
+
+A write lets the catalog's lock go for its ``COMMIT`` and takes it again after. It used to
+read the index's change log then (`Catalog.catch_up`), with the catalog's lock held: a
+statistics save that entered `Catalog.aside` while the lock was let go, or a checkpoint on
+another thread, took the index as the ``COMMIT`` ended, and the write, holding the lock,
+waited for all of it, and every `match` with it. Now the write reads the log after its
+tree's position inside its transaction, right before the ``COMMIT`` (its own entries
+included; nobody else can commit then), and applies that after the ``COMMIT`` without
+touching the index (`_Handover.stage`, `_Handover.follow`).
+
+The tests hold statements on the store's real SQLite connection (real files, real
+SQLite) to force the interleavings; they wait on events, never on time, and end by
+comparing the tree with the index (plain SQL and a fresh open).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from impress_cache import ImpressStore
+from impress_cache.index.sqlite import Index
+from test_budget import prompts
+from test_commit_handover import WAIT_S, _done_while_held, _in_thread
+from test_reorder import _model, assert_reads_exact, cfg, put
+from test_tree_after_commit import assert_tree_is_the_index, tree_rows
+
+
+class _Hold:
+    """One statement held: `reached` once it is about to run, then it waits for `go`
+    (``fail``: it then raises, as a ``COMMIT`` on a full disk would)."""
+
+    def __init__(self, sql: str, fail: bool = False) -> None:
+        self.sql, self.fail = sql, fail
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+
+class _Held:
+    """The store's SQLite connection; a statement equal to the first pending hold's is held."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.holds: list[_Hold] = []
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if self.holds and sql == self.holds[0].sql:
+            hold = self.holds.pop(0)
+            hold.reached.set()
+            assert hold.go.wait(3 * WAIT_S)  # (longer than any wait of the test: a stuck test fails there)
+            if hold.fail:
+                raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@contextmanager
+def held(store: ImpressStore, *holds: _Hold):
+    index = store.index
+    real = index._conn
+    conn = _Held(real)
+    conn.holds.extend(holds)
+    index._conn = conn
+    try:
+        yield conn
+    finally:
+        for hold in holds:
+            hold.go.set()
+        index._conn = real
+
+
+def _log_position(path: Path) -> int:
+    conn = sqlite3.connect(path / "index.sqlite")
+    try:
+        return conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _until(what: str, ok) -> None:
+    """Until ``ok()`` (a thread reached a point no event marks); fails after `WAIT_S`."""
+    deadline = time.monotonic() + WAIT_S
+    while not ok():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def _keep_the_index(index: Index, taken: threading.Event, release: threading.Event) -> None:
+    """Take the store's index lock (waiting for it), say so, keep it until told."""
+    with index._lock:
+        taken.set()
+        assert release.wait(WAIT_S)
+
+
+@pytest.mark.parametrize("holder", ["statistics save", "checkpoint", "index lock"])
+def test_a_write_s_tree_update_does_not_wait_for_whoever_takes_the_index_after_its_commit(tmp_path, holder):
+    a, b = prompts(31, 2)
+    with ImpressStore(tmp_path, _model(), cfg(host_bytes=1 << 20)) as store:
+        put(store, a)
+        store.load(store.match(a).segments)  # statistics to save; a's files open (a match reads no index)
+        catalog = store._catalog
+        write = _Hold("COMMIT")
+        # the holder's own statement, held while it has the index (none for a bare lock)
+        other = {"statistics save": _Hold("COMMIT"), "checkpoint": _Hold("PRAGMA wal_checkpoint(TRUNCATE)")}.get(holder)
+        with held(store, *([write] + ([other] if other else []))):
+            writer, failed = _in_thread(put, store, b)
+            assert write.reached.wait(WAIT_S)  # the write is committing, without the catalog's lock
+            taken, release = threading.Event(), threading.Event()
+            if holder == "statistics save":
+                # as in the review: the save enters `aside` while the write's lock is let go,
+                # then queues for the index behind the write's COMMIT
+                holding, out = _in_thread(store.save_block_stats)
+                _until("the save entered aside", lambda: catalog._aside == 1)
+            with catalog.lock:  # the write, once committed, waits for this lock: the holder takes the index first
+                if holder == "checkpoint":
+                    holding, out = _in_thread(store.index.checkpoint)
+                elif holder == "index lock":
+                    holding, out = _in_thread(_keep_the_index, store.index, taken, release)
+                write.go.set()
+                assert (other.reached if other else taken).wait(WAIT_S)  # the holder has the index now
+            # the write, with the catalog's lock again, brings its commit into the tree
+            # without the index, and returns while the holder still has it
+            writer.join(WAIT_S)
+            assert not writer.is_alive(), "the write waited for the index after its COMMIT"
+            assert failed == [None]
+            assert holding.is_alive()  # (still holding the index)
+            # a request on a third thread matches meanwhile; the tree has the prompt just written
+            # (a request for it reads its new file's block table from the index once, without
+            # the catalog's lock: that waits for the holder, as it did before this change)
+            assert _done_while_held(store.match, a).length == len(a)
+            assert _done_while_held(catalog.match, b).length == len(b)
+            if other:
+                other.go.set()
+            release.set()
+            holding.join(WAIT_S)
+            assert not holding.is_alive() and out and not isinstance(out[0], BaseException), out
+        if holder == "statistics save":
+            assert out[0] > 0  # (block rows written)
+        assert catalog._log_seq == _log_position(tmp_path)  # the position is the set's last entry
+        assert_tree_is_the_index(store, tmp_path)
+        assert store.stats()["after_commit_failures"] == 0 and store.stats()["log_reloads"] == 0
+        for toks in (a, b):
+            assert assert_reads_exact(store, toks) == len(toks)
+
+
+def test_a_write_reads_the_log_once_inside_its_transaction(tmp_path, monkeypatch):
+    a, b = prompts(32, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, a)
+        real = Index.changes_since
+        reads: list[tuple[bool, bool]] = []
+
+        def counted(self, seq, wait=True, conn=None):
+            reads.append((conn is not None, self.in_transaction()))
+            return real(self, seq, wait, conn)
+
+        monkeypatch.setattr(Index, "changes_since", counted)
+        put(store, b)
+        assert reads == [(True, True)]  # before the COMMIT, with the transaction's connection; none after
+        assert store._catalog._log_seq == _log_position(tmp_path)
+        assert store.match(b).length == len(b)
+        with pytest.raises(RuntimeError):  # outside a transaction there is no "own connection" to read with
+            store.index.changes_since(0, conn=store.index._conn)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        assert_tree_is_the_index(store, tmp_path)
+
+
+def test_a_failed_commit_applies_nothing(tmp_path):
+    """The write's COMMIT fails after its change set was read (this write's rows and the
+    budget's removals, all uncommitted): the set is dropped; the tree, the file table and
+    the log position stay as they were, and the next write follows the log from there."""
+    mine = prompts(33, 4)
+    b, c = prompts(34, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for t in mine:
+            put(store, t)
+            store.match(t)
+        catalog = store._catalog
+        before, seq = tree_rows(store), catalog._log_seq
+        store.config.disk_bytes = store.disk_bytes()  # b's write evicts in its own transaction
+        fail = _Hold("COMMIT", fail=True)
+        with held(store, fail):
+            writer, failed = _in_thread(put, store, b)
+            assert fail.reached.wait(WAIT_S)
+            staged = catalog._unsettled  # (the write let the lock go and read its set)
+            fail.go.set()
+            writer.join(WAIT_S)
+            assert not writer.is_alive() and failed == [None]
+        assert staged == 1
+        assert store.stats()["write_failures"] == 1
+        assert tree_rows(store) == before and catalog._log_seq == seq
+        assert_tree_is_the_index(store, tmp_path)
+        store.config.disk_bytes = None
+        for t in mine:
+            assert assert_reads_exact(store, t) == len(t)  # nothing was evicted
+        put(store, c)  # (reuses the log's sequence numbers the rollback gave back)
+        assert catalog._log_seq == _log_position(tmp_path)
+        assert_tree_is_the_index(store, tmp_path)
+        assert store.match(c).length == len(c) and store.match(b).length < len(b)
+
+
+def test_a_write_whose_commit_another_thread_followed_meanwhile_applies_nothing_again(tmp_path):
+    """After the write's COMMIT and before it retakes the lock, another process commits and
+    a thread of this one follows the log past both: the write's set, older than the tree
+    by then, is not applied over it."""
+    a, b = prompts(35, 2)
+    c = prompts(36, 1)[0]
+    with ImpressStore(tmp_path, _model(), cfg()) as store, ImpressStore(tmp_path, _model(), cfg()) as other:
+        put(store, a)
+        store.match(a)
+        catalog = store._catalog
+        write = _Hold("COMMIT")
+        with held(store, write):
+            writer, failed = _in_thread(put, store, b)
+            assert write.reached.wait(WAIT_S)
+            with catalog.lock:
+                write.go.set()
+                with store.index._lock:  # (the COMMIT is done: the write waits for the catalog's lock)
+                    pass
+                t, out = _in_thread(put, other, c)  # another process commits after it
+                t.join(WAIT_S)
+                assert out == [None]
+                applied = store.stats()["log_applied"]
+                catalog.refresh(wait=False)  # a request's look: follows the log past both commits
+                assert store.stats()["log_applied"] == applied + 1
+                assert catalog._log_seq == _log_position(tmp_path)
+                assert catalog.tree.match(b).length == len(b) and catalog.tree.match(c).length == len(c)
+                followed = tree_rows(store)
+            writer.join(WAIT_S)
+            assert not writer.is_alive() and failed == [None]
+        assert tree_rows(store) == followed and catalog._log_seq == _log_position(tmp_path)
+        assert store.stats()["log_reloads"] == 0 and store.stats()["after_commit_failures"] == 0
+        assert_tree_is_the_index(store, tmp_path)
+        for toks in (a, b, c):
+            assert assert_reads_exact(store, toks) == len(toks)
