@@ -184,3 +184,26 @@ def test_a_leftover_scan_that_runs_out_of_descriptors_waits_for_the_next_write(t
         assert store._writer._scan is None
         assert not (tmp_path / CHUNK_DIR / ("0" * 32 + ".safetensors.tmp")).exists()
         assert assert_reads_exact(store, p) == len(p)
+
+
+def test_schema_text_that_no_longer_decodes_is_index_damage_and_repair_rebuilds(tmp_path, capsys):
+    """A byte of the index's schema text (here a trigger's name) turned into one that is
+    not UTF-8: opening it is index damage with the repair command, not a raw
+    UnicodeDecodeError (seen once in faults.py's `repair` category), and repair rebuilds
+    the index from the chunk files."""
+    p = prompts(14, 1)[0]
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        put(store, p)
+    index = tmp_path / "index.sqlite"
+    raw = bytearray(index.read_bytes())
+    at = raw.find(b"changes_trimmed")
+    assert at > 0
+    raw[at + 3] = 0xFF
+    index.write_bytes(bytes(raw))
+    for read_only in (True, False):
+        with pytest.raises(StoreFormatError, match="verify --repair"):
+            ImpressStore(tmp_path, _model(), cfg(), read_only=read_only)
+    assert cli_main(["verify", "--repair", str(tmp_path)]) == 0
+    capsys.readouterr()
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        assert assert_reads_exact(store, p) == len(p)

@@ -71,7 +71,7 @@ class Index(StatisticsTables):
             _check_regular(p)
         try:
             self._conn = self._connect(path, read_only, file_mode)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, UnicodeDecodeError) as exc:  # (damaged schema text may fail to decode)
             raise index_error(path, exc) from exc
         self._lock = OrderedLock(INDEX, "index")
         self._in_transaction = False
