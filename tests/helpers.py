@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import torch
 
 from impress_cache import ImpressCache, ImpressStore
@@ -91,3 +94,13 @@ def stored_prompts(path, model, padded: bool, seeds=(1, 2, 3, 4), sizes=(400, 30
         rows.append(torch.cat([b[: sizes[2]], tokens(seeds[3], sizes[4])]))
     return left_pad(rows)
 
+
+
+def index_value(store_path, query: str):
+    """The first column of the first row ``query`` returns from a store's index (its own
+    connection, closed again)."""
+    conn = sqlite3.connect(Path(store_path) / "index.sqlite")
+    try:
+        return conn.execute(query).fetchone()[0]
+    finally:
+        conn.close()

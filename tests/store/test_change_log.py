@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from impress_cache import ImpressStore
-from impress_cache.store.catalog import Catalog
+from helpers import index_value
 from test_budget import prompts
 from test_invariants import PATHS
 from test_reorder import _model, assert_reads_exact, cfg, put
-from test_tree_after_commit import assert_tree_is_the_index, index_rows, tree_rows
+from test_tree_after_commit import _count_reloads, assert_tree_is_the_index, index_rows, tree_rows
 
 #: another process opens the store and runs ``ops`` (each a line of Python with ``store``)
 _ELSEWHERE = """
@@ -44,24 +44,8 @@ def elsewhere(path: Path, *ops: str) -> str:
     return proc.stdout
 
 
-def _count_reloads(monkeypatch) -> list[int]:
-    real = Catalog.reload_tree
-    calls: list[int] = []
-
-    def counted(self):
-        calls.append(1)
-        return real(self)
-
-    monkeypatch.setattr(Catalog, "reload_tree", counted)
-    return calls
-
-
 def _log_size(path: Path) -> int:
-    conn = sqlite3.connect(path / "index.sqlite")
-    try:
-        return conn.execute("SELECT COUNT(*) FROM changes").fetchone()[0]
-    finally:
-        conn.close()
+    return index_value(path, "SELECT COUNT(*) FROM changes")
 
 
 @pytest.mark.parametrize("what", ["store", "extend", "evict", "quarantine", "mixed"])
@@ -161,7 +145,7 @@ def test_a_store_made_before_the_log_opens_read_only_and_is_migrated_when_writte
         for t in mine:
             put(store, t)
     _as_before_the_log(tmp_path)
-    version = sqlite3.connect(tmp_path / "index.sqlite").execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    version = index_value(tmp_path, "SELECT value FROM meta WHERE key='schema_version'")
     with ImpressStore(tmp_path, _model(), cfg(), read_only=True) as ro:
         assert ro._catalog._log_seq is None  # (no log: another process's commit reloads)
         assert ro.match(mine[0]).length == len(mine[0])
@@ -173,7 +157,7 @@ def test_a_store_made_before_the_log_opens_read_only_and_is_migrated_when_writte
         assert ro.match(prompts(5, 1)[0]).length == len(prompts(5, 1)[0])
         assert reloads == [1] and ro.stats()["log_reloads"] == 1
     conn = sqlite3.connect(tmp_path / "index.sqlite")
-    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == version
+    assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == version
     conn.close()
     with ImpressStore(tmp_path, _model(), cfg()) as store:
         for t in mine:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from helpers import run
+from helpers import index_value, run
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.cli import main as cli_main
 from impress_cache.errors import ConfigError, CorruptBlockError
@@ -105,13 +105,7 @@ def test_a_codec_store_has_a_schema_version_that_older_versions_refuse(tmp_path,
     from impress_cache.index.schema import CODEC_SCHEMA_VERSION, SCHEMA_VERSION
 
     def version(path: Path) -> str:
-        import sqlite3
-
-        con = sqlite3.connect(path / "index.sqlite")
-        try:
-            return con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
-        finally:
-            con.close()
+        return index_value(path, "SELECT value FROM meta WHERE key='schema_version'")
 
     model = tiny_model("llama")
     _put(tmp_path / "plain", model, None)

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from impress_cache import ImpressStore
+from helpers import index_value
 from impress_cache.index.sqlite import Index
 from test_budget import prompts
 from test_commit_handover import WAIT_S, _done_while_held, _in_thread
@@ -79,11 +80,7 @@ def held(store: ImpressStore, *holds: _Hold):
 
 
 def _log_position(path: Path) -> int:
-    conn = sqlite3.connect(path / "index.sqlite")
-    try:
-        return conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()[0]
-    finally:
-        conn.close()
+    return index_value(path, "SELECT seq FROM sqlite_sequence WHERE name='changes'")
 
 
 def _until(what: str, ok) -> None:
