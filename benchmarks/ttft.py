@@ -314,9 +314,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     methods = [m for m in ("recompute", "dynamic_memory", "safetensors_file", *IMPRESS) if m in rows[0]]
     fig, ax = plt.subplots(figsize=(10, 5))
     width = 0.8 / len(methods)
+    colors = plt.get_cmap("tab20").colors  # (the default cycle has 10: an 11th method repeated the first's)
     for j, m in enumerate(methods):
         xs = [i + j * width for i in range(len(rows))]
-        ax.bar(xs, [r[m]["ttft_s"] for r in rows], width, label=m)
+        ax.bar(xs, [r[m]["ttft_s"] for r in rows], width, label=m, color=colors[j % len(colors)])
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     ax.set_xticklabels([f"{r['prefix_tokens']} tokens" for r in rows])
     ax.set_ylabel("time to first token (s, median)")
@@ -384,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", type=Path, default=None, help="print the tables of a result file and exit")
     args = p.parse_args(argv)
     if args.report:
-        print(table(json.loads(args.report.read_text())))
+        result = json.loads(args.report.read_text())
+        print(table(result))
+        if args.plot:  # (the plot of a result file, redrawn)
+            plot(result, Path(args.plot))
         return 0
     torch.set_num_threads(2)
     model, tok = load_smollm2()
