@@ -104,6 +104,12 @@ class ModelSpec:
         in the stored dtype, or encoded with ``kv_codec``."""
         if self.kv_codec is not None:
             return codec_row_bytes(self.num_kv_heads, self.head_dim)
+        return self.dense_row_bytes
+
+    @property
+    def dense_row_bytes(self) -> int:
+        """Bytes of one row of one layer's K/V in memory (K and V of every head, in the
+        stored dtype: what a block decodes to)."""
         itemsize = torch.empty((), dtype=self.torch_kv_dtype).element_size()
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 

@@ -73,14 +73,19 @@ def model_sum(model: Any) -> str:
     return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
 
 
+def mark_codec(index: Index, model: Any) -> None:
+    """A store whose model record names a ``kv_codec`` gets `CODEC_SCHEMA_VERSION`, which
+    versions before the codec refuse (they would read its blocks as raw K/V)."""
+    if isinstance(model, dict) and model.get("kv_codec") and not index.read_only:
+        index.set_schema_version(CODEC_SCHEMA_VERSION)
+
+
 def check_model_record(index: Index, model: Any) -> None:
     """Raise `StoreFormatError` (index damage, with the repair command) when the model
     record ``model`` read from ``index`` fails its own checksum. A store made before the
     checksum gets it here (when it is open for writing) from the record as it is."""
     if model is None:
         return
-    if isinstance(model, dict) and model.get("kv_codec") and not index.read_only:
-        index.set_schema_version(CODEC_SCHEMA_VERSION)
     want = model_sum(model)
     have = index.get_json(MODEL_SUM) if index.read_only else index.get_or_set_json(MODEL_SUM, want)
     if have is not None and have != want:
@@ -113,6 +118,7 @@ def bind(index: Index, model: torch.nn.Module, config: ImpressConfig, path: Path
     # one transaction each: of two processes creating a store, one records its model
     stored = index.get_json("model") if index.read_only else index.get_or_set_json("model", spec.to_dict())
     check_model_record(index, stored)  # damage is not a mismatch
+    mark_codec(index, stored)
     if isinstance(stored, dict) and stored.get("kv_codec") != spec.kv_codec:
         raise ConfigError(
             f"the store at {path} keeps K/V blocks with kv_codec={stored.get('kv_codec')!r}, the config gives "

@@ -284,8 +284,7 @@ class BlockIO:
             self._pool(kind, n, slot_rows), t0=t0, quiet=quiet,
         )
         if kind == KV and self._spec.kv_codec is not None:
-            plan.raw = torch.empty((n, slot_rows * row_bytes), dtype=torch.uint8)
-            plan.mem_nbytes = rows * self._dense_row_bytes()
+            plan.mem_nbytes = rows * self._spec.dense_row_bytes
         disk = np.ones(n, dtype=bool)
         if known:
             held = [(s, known[c]) for s, c in enumerate(uniq.tolist()) if c in known]
@@ -309,6 +308,8 @@ class BlockIO:
                     plan.source[s] = hit[0]
                     disk[s] = False
         plan.disk = np.flatnonzero(disk)
+        if len(plan.disk) and plan.mem_nbytes is not None:  # encoded blocks land in a buffer of their own
+            plan.raw = torch.empty((n, slot_rows * row_bytes), dtype=torch.uint8)
         if len(plan.disk):
             flat = (plan.pool if plan.raw is None else plan.raw).view(torch.uint8).reshape(-1).numpy()
             slot_bytes = flat.nbytes // max(1, n)
@@ -353,11 +354,6 @@ class BlockIO:
         stats = self._account(plan, nbytes_disk)
         stats.seconds = time.perf_counter() - plan.t0
         return BlockSet(kind, pool, plan.rows.tolist(), plan.slot_of, stats, plan.held)
-
-    def _dense_row_bytes(self) -> int:
-        """Bytes of one decoded row of a K/V block (in the store's dtype)."""
-        spec = self._spec
-        return 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.torch_kv_dtype).element_size()
 
     def _decode(self, plan: _Plan) -> None:
         """Decode the encoded K/V blocks read from disk into their pool slots: each run of

@@ -32,7 +32,7 @@ from ..index.sqlite import Index, NewFile
 from ..model_info import ModelSpec
 from ..storage import FORMATS
 from ..storage.base import PROBE
-from .binding import check_model_record
+from .binding import check_model_record, mark_codec
 from .catalog import CHUNK_DIR, Catalog
 from .chunkfiles import FILE_NAME
 from .directory import dir_mode, ensure_dir
@@ -127,6 +127,7 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
     index = Index(tmp, file_mode=file_mode)
     index.get_or_set_json("model", model)
     check_model_record(index, model)  # (records its checksum)
+    mark_codec(index, model)
     index.get_or_set_json("probe", probe)
     if spaces:
         index.keep_namespaces(spaces)
