@@ -22,6 +22,7 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,32 @@ def _du(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def _parts(path: Path) -> dict[str, int]:
+    """What the store's directory holds on disk, by kind: the index, its WAL and shared
+    memory, committed chunk files, files being written (``.tmp``), the rest."""
+    parts = dict.fromkeys(("index", "wal", "shm", "chunk_files", "being_written", "other"), 0)
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                size = os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+            kind = ("wal" if name.endswith("-wal") else "shm" if name.endswith("-shm") else "index"
+                    if name.startswith("index.sqlite") else "being_written" if name.endswith(".tmp")
+                    else "chunk_files" if os.path.basename(dirpath) == "chunks" else "other")
+            parts[kind] += size
+    return parts
+
+
+def _sample(path: Path, stop: threading.Event, worst: dict[str, Any]) -> None:
+    """Every 20 ms while the workers run: the largest directory seen and its parts."""
+    while not stop.wait(0.02):
+        parts = _parts(path)
+        total = sum(parts.values())
+        if total > worst.get("bytes", 0):
+            worst.update(bytes=total, parts=parts)
 
 
 def _worker(path: str, seed: int, seconds: float, budget: int, out: Any) -> None:
@@ -147,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         procs = [ctx.Process(target=_worker, args=(str(path), s, args.seconds, budget, out)) for s in range(args.processes)]
         for p in procs:
             p.start()
+        stop, sampled = threading.Event(), {}  # (what makes the directory's worst size)
+        sampler = threading.Thread(target=_sample, args=(path, stop, sampled), daemon=True)
+        sampler.start()
         workers = sorted((out.get(timeout=args.seconds + 600) for _ in procs), key=lambda r: r["seed"])
+        stop.set()
+        sampler.join(10)
         for p in procs:
             p.join(timeout=60)
         elapsed = time.perf_counter() - t0
@@ -176,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["worst_du_after_own_request"] <= budget + largest for r in workers),
             "worst_du_within_budget_plus_one_prompt_per_process": all(
                 r["worst_du_after_own_request"] <= budget + args.processes * largest for r in workers),
+            # the largest directory a sampler of the parent saw every 20 ms, by part
+            "worst_du_sampled": sampled,
             "workers": workers, "fresh_open": fresh_res, "ok": ok,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
