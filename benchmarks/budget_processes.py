@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disk_usage import du as _du  # noqa: E402
 from faults import _quiet, tiny, tokens  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
@@ -54,17 +55,6 @@ def _generate(model: Any, ids: torch.Tensor, store: ImpressStore | None = None) 
     with torch.no_grad(), _quiet():
         out = model.generate(ids[None], **kw)
     return out, (cache.stats.matched_tokens if cache is not None else 0)
-
-
-def _du(path: Path) -> int:
-    total = os.lstat(path).st_blocks * 512
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def _parts(path: Path) -> dict[str, int]:

@@ -86,9 +86,12 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from impress_cache import ImpressCache, ImpressConfig, ImpressStore
-from impress_cache.hf.compat import CACHE_KWARG
-from impress_cache.store.gc import wal_bound
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disk_usage import du  # noqa: E402
+
+from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
+from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
+from impress_cache.store.gc import wal_bound  # noqa: E402
 
 VOCAB = 4096
 SYSTEMS, SYSTEM_LEN, USER_LEN = 50, 120, (64, 100)
@@ -451,14 +454,6 @@ def other_writers(model, store: ImpressStore, path: Path, prompts: Prompts, stor
         "log_applied": stats.get("log_applied"), "log_reloads": stats.get("log_reloads"),
         "loadavg": os.getloadavg(),
     }
-
-
-def du(path: Path) -> int:
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total + os.lstat(path).st_blocks * 512
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,7 +4,6 @@ budget + one prefix while threads and another process write and read at once."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -16,6 +15,10 @@ from impress_cache.store.leases import GRACE
 from test_reorder import _model, cfg, kv_of, put
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.append(str(ROOT / "benchmarks"))
+from disk_usage import du  # noqa: E402
+
 SYSTEMS = [[3 + i] * 8 + list(range(10 + i, 18 + i)) for i in range(4)]
 
 
@@ -26,15 +29,6 @@ def prompts(seed: int, n: int) -> list[list[int]]:
         tail = [(seed * 7919 + i * 104729 + j * 31) % 200 + 30 for j in range(24 + (i % 3) * 8)]
         out.append(SYSTEMS[(seed + i) % 4] + tail)
     return out
-
-
-def du(path: Path) -> int:
-    """Bytes allocated under ``path``, directories included (``du -s --block-size=1``)."""
-    total = os.lstat(path).st_blocks * 512
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
 
 
 _CHILD = """
