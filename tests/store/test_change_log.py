@@ -208,3 +208,26 @@ def test_random_changes_of_another_store_are_followed_exactly(tmp_path, monkeypa
         assert done["prefixes_evicted"] + done["quarantined_files"] > 0  # (removals were followed too)
         for t in pool:
             assert_reads_exact(mine, t)
+
+
+def test_nodes_another_process_removed_leave_this_process_s_statistics_and_eviction_order(tmp_path):
+    """The change log's removals reach the node statistics: a budgeted store keeps no
+    record, heap place or pending save for a node another process evicted (before, they
+    stayed until the heap popped them, and the records for ever)."""
+    mine = prompts(1, 6)
+    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=1 << 30)) as store:
+        for t in mine:
+            put(store, t)
+        for t in mine:
+            store.match(t)
+        store.enforce_disk_budget()  # (the eviction order starts with the first budget check)
+        values = store._values
+        ids = {i for i in values._queued if i in values._policy}  # (the leaves this process read)
+        assert ids and values.ordering
+        elsewhere(tmp_path, "store.config.disk_bytes = 1", "store.enforce_disk_budget()")
+        store.match(mine[0])  # (follows the other process's commit through the log)
+        gone = {i for i in ids if store.tree.get(i) is None}
+        assert gone, "the other process's budget removed nothing"
+        assert not gone & values._queued
+        assert not any(i in values._policy for i in gone)
+        assert not gone & values.dirty

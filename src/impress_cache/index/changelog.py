@@ -44,6 +44,8 @@ class Applied:
     dropped: list[FileRecord] = field(default_factory=list)
     #: ids of nodes that may have become leaves (new leaves, parents of removed nodes)
     leaves: list[int] = field(default_factory=list)
+    #: ids of nodes that left the index (not those rewritten under the same id)
+    removed: list[int] = field(default_factory=list)
     added_nodes: int = 0
     removed_nodes: int = 0
 
@@ -68,6 +70,8 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
             gone.append(node)
             if row is not None:
                 pending.append((None, row))
+            else:
+                out.removed.append(nid)
             continue
         node.terminal = row[5]
         if node.parent is None or node.parent.id != row[1]:

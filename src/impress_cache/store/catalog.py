@@ -137,7 +137,7 @@ class Catalog:
         row_bytes: tuple[int, int],
         on_forget: Callable[[set[int], dict[int, FileRecord]], None],
         on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
-        on_leaves: Callable[[Iterable[int], bool], None] = lambda ids, reset: None,
+        on_leaves: Callable[[Iterable[int], bool, Iterable[int]], None] = lambda ids, reset, removed: None,
     ) -> None:
         self.root = root
         self.chunks = root / CHUNK_DIR
@@ -147,7 +147,7 @@ class Catalog:
         self._on_forget = on_forget
         self._on_split = on_split
         #: told the ids of nodes that may have become leaves (``reset``: the tree was
-        #: reloaded and these are all its leaves)
+        #: reloaded and these are all its leaves) and of nodes another process removed
         self._on_leaves = on_leaves
         #: `refresh` calls (each a look at the index's data version), for tests and tuning
         self.refreshes = 0
@@ -199,7 +199,7 @@ class Catalog:
         self.tree, self.records = self.index.load_tree()
         self._log_seq = self.index.loaded_seq
         # a generator: only a store that keeps an eviction order lists the leaves
-        self._on_leaves(_later(self.tree.leaf_ids), True)
+        self._on_leaves(_later(self.tree.leaf_ids), True, ())
 
     def _add_record(self, record: FileRecord) -> None:
         self.records[record.id] = record
@@ -277,7 +277,7 @@ class Catalog:
                 return
             self._log_seq = changes.seq
             self.log_applied += counted
-            self._on_leaves(applied.leaves, False)
+            self._on_leaves(applied.leaves, False, applied.removed)
             self.forget({r.id for r in applied.dropped}, applied.dropped)
 
     def _clear(self) -> bool:
@@ -496,7 +496,7 @@ class Catalog:
         """The tree and the file table after a committed transaction that deleted the
         nodes and files of ``changes`` (never before its ``COMMIT`` has returned)."""
         with self.lock:
-            self._on_leaves(changes.apply_to(self.tree, self.records), False)
+            self._on_leaves(changes.apply_to(self.tree, self.records), False, ())
 
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:

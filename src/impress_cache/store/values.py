@@ -196,9 +196,13 @@ class NodeValues:
             for node_id in node_ids:
                 self._push(node_id, now)
 
-    def leaves_changed(self, node_ids: Iterable[int], reset: bool) -> None:
+    def leaves_changed(self, node_ids: Iterable[int], reset: bool, removed: Iterable[int] = ()) -> None:
         """`Catalog`'s ``on_leaves``: nodes that may have become leaves (``reset``: the
-        tree was loaded and these are all its leaves)."""
+        tree was loaded and these are all its leaves), and nodes another process removed
+        (their statistics and heap place go, as for this process's own removals)."""
+        removed = list(removed)
+        if removed:
+            self.forget(removed)
         if reset:
             self.reset_order(node_ids)
         else:
