@@ -270,6 +270,9 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = RadixNode(0, np.zeros(0, np.int32), -1, 0, None)
         self._nodes = NodeTable({0: self.root})
+        #: the index's change-log position the tree was read at (`Index.load_tree`;
+        #: ``None``: not read from an index, or an index without a change log)
+        self.log_seq: int | None = None
 
     @classmethod
     def from_columns(cls, nodes: np.ndarray, offsets: np.ndarray, buf: np.ndarray) -> RadixTree:

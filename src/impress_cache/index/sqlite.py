@@ -76,9 +76,6 @@ class Index(StatisticsTables):
         self._lock = OrderedLock(INDEX, "index")
         self._in_transaction = False
         self._tx_thread = 0
-        #: the change log's last entry when `load_tree` read the tables (``None``: the
-        #: index has no change log, a store opened read-only that nobody migrated)
-        self.loaded_seq: int | None = None
         try:
             with self._lock:
                 if read_only:
@@ -431,7 +428,7 @@ class Index(StatisticsTables):
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
         with self._lock, read_snapshot(self._conn):  # one snapshot of both tables (and the log's position)
-            self.loaded_seq = self._log_position()
+            seq = self._log_position()
             files = self._load_files()
             cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
             parts = [np.zeros((0, 6), np.int64)]
@@ -455,6 +452,7 @@ class Index(StatisticsTables):
             raise StoreFormatError(
                 f"the index {self.path} is damaged: {exc}. Rebuild the index with `impress-cache verify --repair`."
             ) from exc
+        tree.log_seq = seq
         return tree, files
 
     def _log_position(self) -> int | None:

@@ -197,7 +197,7 @@ class Catalog:
 
     def _load(self) -> None:
         self.tree, self.records = self.index.load_tree()
-        self._log_seq = self.index.loaded_seq
+        self._log_seq = self.tree.log_seq
         # a generator: only a store that keeps an eviction order lists the leaves
         self._on_leaves(_later(self.tree.leaf_ids), True, ())
 
