@@ -239,3 +239,30 @@ def test_a_write_whose_commit_another_thread_followed_meanwhile_applies_nothing_
         assert_tree_is_the_index(store, tmp_path)
         for toks in (a, b, c):
             assert assert_reads_exact(store, toks) == len(toks)
+
+
+def test_the_first_read_of_a_just_written_prompt_reads_no_block_table_from_the_index(tmp_path, monkeypatch):
+    """The writer keeps the block table it wrote (`OpenFiles.seed`): the first match and
+    read of the prompt do not go back to the index for it (a read that could wait for
+    another process's write or a checkpoint), and the kept table is the index's."""
+    import numpy as np
+
+    from impress_cache.store.chunkfiles import read_file
+
+    toks = prompts(1, 2)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        catalog = store._catalog
+        calls: list[int] = []
+        real = Index.block_table
+        monkeypatch.setattr(Index, "block_table", lambda self, fid: calls.append(fid) or real(self, fid))
+        for t in toks:
+            put(store, t)
+        store.flush()
+        for t in toks:
+            assert assert_reads_exact(store, t) == len(t)
+        assert calls == []
+        for fid in catalog.files.ids():
+            kept, fresh = catalog.open_file(fid), read_file(catalog.index, catalog.chunks, catalog._row_bytes, fid, None)
+            assert np.array_equal(kept.table.offsets, fresh.table.offsets)
+            assert np.array_equal(kept.table.checksums, fresh.table.checksums)
+            assert np.array_equal(kept.table.seeds, fresh.table.seeds)

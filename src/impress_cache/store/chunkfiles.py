@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptBlockError, StoreFormatError
-from ..index.files import FileRecord, FileTable
+from ..index.files import FileRecord, FileTable, NewFile
 from ..index.radix import Match
 from ..index.sqlite import Index
 from ..storage.reader import open_chunk_file
@@ -53,6 +53,13 @@ def read_file(index: Index, chunks: Path, row_bytes: tuple[int, int], file_id: i
     perm = index.file_perm(file_id) if record.reordered else None
     if record.reordered and perm is None:
         raise CorruptBlockError(f"file {file_id} is reordered but the index has no permutation for it", file_id)
+    return _open_file(record, arrays, perm, chunks, row_bytes)
+
+
+def _open_file(
+    record: FileRecord, arrays: tuple[np.ndarray, np.ndarray], perm: np.ndarray | None, chunks: Path,
+    row_bytes: tuple[int, int],
+) -> OpenFile:
     seed = file_seed(bytes.fromhex(record.name[:32]), record.context, record.first_pos, record.tokens, perm)
     table = BlockTable.build(*arrays, seed, record.n_tokens, record.chunk_tokens, row_bytes)
     return OpenFile(record, chunks / record.name, table, perm=perm)
@@ -104,6 +111,22 @@ class OpenFiles:
             if known is not None and file_id not in self._records():
                 return f  # removed meanwhile: not kept (its `drop` has run or is due)
             return self._open.setdefault(file_id, f)
+
+    def seed(self, file_id: int, new_file: NewFile) -> None:
+        """Keep the block table of a file this process just wrote and committed, from what
+        it wrote (`NewFile`), so that the first request for its prompt does not read it
+        back from the index (a read that may wait for another process's write or a
+        checkpoint). Nothing happens if the file is no longer in the file table."""
+        with self._lock:
+            record = self._records().get(file_id)
+            if record is None or file_id in self._open:
+                return
+        arrays = (np.asarray(new_file.offsets, "<i8"), np.asarray(new_file.checksums, "<u4"))  # (as the index gives them)
+        perm = None if new_file.perm is None else np.asarray(new_file.perm, "<i4")
+        f = _open_file(record, arrays, perm, self._chunks, self._row_bytes)
+        with self._lock:
+            if file_id in self._records():
+                self._open.setdefault(file_id, f)
 
     def fd(self, f: OpenFile) -> int | None:
         """A read-only descriptor of ``f``'s file (`open_chunk`), kept with ``f``; ``None``

@@ -290,6 +290,7 @@ class PromptWriter:
             if done is None:  # stored meanwhile by another writer, or its prefix was removed
                 return
         file_id, leaf = done
+        catalog.files.seed(file_id, new_file)  # (the first match reads no block table back)
         c = self.counters
         c.prompts_written += 1
         c.tokens_written += len(tokens) - m

@@ -229,6 +229,7 @@ class Reorganizer:
             log.info("node %d changed while it was rewritten; the rewrite is dropped", node.id)
             return None
         file_id, new, dropped = done
+        self._catalog.files.seed(file_id, new_file)  # (its first read reads no block table back)
         self._on_replaced(node, new, file_id, dropped, p.order)
         c.reorganisations += 1
         c.bytes_rewritten += new_file.file_bytes
