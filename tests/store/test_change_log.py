@@ -95,27 +95,33 @@ def test_another_process_s_commits_are_applied_not_reloaded(tmp_path, monkeypatc
         assert_tree_is_the_index(store, tmp_path)
 
 
+#: a short change log, in this process and in the other one: every write transaction
+#: trims it to the 8 entries before it
+SHORT_LOG = "import impress_cache.index.schema as s; s.LOG_KEEP, s.LOG_TRIM_EVERY = 8, 1"
+
+
+def _short_log(monkeypatch) -> None:
+    from impress_cache.index import schema
+
+    monkeypatch.setattr(schema, "LOG_KEEP", 8)
+    monkeypatch.setattr(schema, "LOG_TRIM_EVERY", 1)
+
+
 def test_a_log_trimmed_past_the_tree_s_position_falls_back_to_a_reload(tmp_path, monkeypatch):
+    _short_log(monkeypatch)
     with ImpressStore(tmp_path, _model(), cfg()) as store:
         put(store, prompts(1, 1)[0])
-    conn = sqlite3.connect(tmp_path / "index.sqlite")  # a short log: trimmed every 4 entries to the last 8
-    conn.execute("DROP TRIGGER changes_trimmed")
-    conn.execute(
-        "CREATE TRIGGER changes_trimmed AFTER INSERT ON changes WHEN NEW.seq % 4 = 0 "
-        "BEGIN DELETE FROM changes WHERE seq <= NEW.seq - 8; END"
-    )
-    conn.commit()
-    conn.close()
     with ImpressStore(tmp_path, _model(), cfg()) as store:
         store.match(prompts(1, 1)[0])
-        elsewhere(tmp_path, "for t in prompts(9, 8): put(store, t)")
-        assert _log_size(tmp_path) < 8 + 4  # (the first entries after the tree's position are gone)
+        elsewhere(tmp_path, SHORT_LOG, "for t in prompts(9, 8): put(store, t)")
+        # (the first entries after the tree's position are gone)
+        assert index_value(tmp_path, "SELECT MIN(seq) FROM changes") > store._catalog._log_seq + 1
         reloads = _count_reloads(monkeypatch)
         store.match(prompts(9, 1)[0])
         assert reloads == [1] and store.stats()["log_reloads"] == 1
         assert_tree_is_the_index(store, tmp_path)
         # from the reloaded tree's position on, the log is followed again
-        elsewhere(tmp_path, "put(store, prompts(10, 1)[0])")
+        elsewhere(tmp_path, SHORT_LOG, "put(store, prompts(10, 1)[0])")
         store.match(prompts(9, 1)[0])
         assert reloads == [1] and store.stats()["log_applied"] == 1
         assert_tree_is_the_index(store, tmp_path)
@@ -123,10 +129,37 @@ def test_a_log_trimmed_past_the_tree_s_position_falls_back_to_a_reload(tmp_path,
         # with them: another process's next commit is still followed through the log
         for t in prompts(12, 8):
             put(store, t)
-        elsewhere(tmp_path, "put(store, prompts(14, 1)[0])")
+        elsewhere(tmp_path, SHORT_LOG, "put(store, prompts(14, 1)[0])")
         store.match(prompts(9, 1)[0])
         assert reloads == [1] and store.stats()["log_applied"] == 2
         assert_tree_is_the_index(store, tmp_path)
+
+
+def test_one_transaction_that_logs_more_than_the_log_keeps_is_still_followed(tmp_path, monkeypatch):
+    """A split of a node with more children than the log keeps entries logs them all in
+    one transaction; the log is trimmed before a transaction, never among its own
+    entries, so the other process follows it (before, the transaction trimmed its own
+    first entries and every process reloaded the whole tree)."""
+    _short_log(monkeypatch)
+    shared = list(range(40, 56))
+    tails = [shared + [100 + i, 7, 8, 9] for i in range(12)]  # one node, 12 children
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        for t in tails:
+            put(store, t)
+        for t in tails:
+            store.match(t)
+        before = index_value(tmp_path, "SELECT MAX(seq) FROM changes")
+        # another process stores a prompt that leaves the shared part halfway: the shared
+        # node splits and its 12 children move under the lower half, in one transaction
+        elsewhere(tmp_path, SHORT_LOG, f"put(store, {shared[:8] + [200, 201, 202, 203]!r})")
+        assert index_value(tmp_path, "SELECT MAX(seq) FROM changes") - before > 8
+        reloads = _count_reloads(monkeypatch)
+        applied = store.stats()["log_applied"]
+        store.match(tails[0])
+        assert reloads == [] and store.stats()["log_applied"] == applied + 1
+        assert_tree_is_the_index(store, tmp_path)
+        for t in tails:
+            assert assert_reads_exact(store, t) == len(t)
 
 
 def _as_before_the_log(path: Path) -> None:

@@ -196,7 +196,7 @@ def test_schema_text_that_no_longer_decodes_is_index_damage_and_repair_rebuilds(
         put(store, p)
     index = tmp_path / "index.sqlite"
     raw = bytearray(index.read_bytes())
-    at = raw.find(b"changes_trimmed")
+    at = raw.find(b"node_inside_file")
     assert at > 0
     raw[at + 3] = 0xFF
     index.write_bytes(bytes(raw))

@@ -84,13 +84,17 @@ CREATE TABLE IF NOT EXISTS changes (
 
 #: `changes` rows: which table a logged change touched
 NODE_CHANGE, FILE_CHANGE = 0, 1
-#: the change log keeps about this many entries: every `LOG_TRIM_EVERY`-th entry deletes
-#: those `LOG_KEEP` or more entries older than itself (a process further behind reloads).
-#: About 4 entries per stored prompt: 1,024 let a process lag some 250 writes behind and
-#: cost about 13 KB of index (4,096 cost about 53 KB: in a small store with a disk
-#: budget, a prompt's worth of room, which the budget then took from the chunk files)
+#: the change log keeps about this many entries: every `LOG_TRIM_EVERY`-th write
+#: transaction of a process deletes, right after its ``BEGIN``, the entries `LOG_KEEP` or
+#: more older than the newest, except those logged since that process's previous trim
+#: (`Index._trim_log`; a process further behind reloads). So one transaction that logs
+#: more than `LOG_KEEP` entries (a split of a node with thousands of children) is still
+#: followed through the log. About 4 entries per stored prompt: 1,024 let a process lag
+#: some 250 writes behind and cost about 13 KB of index (4,096 cost about 53 KB: in a
+#: small store with a disk budget, a prompt's worth of room, which the budget then took
+#: from the chunk files)
 LOG_KEEP = 1024
-LOG_TRIM_EVERY = 128
+LOG_TRIM_EVERY = 32
 
 
 def _logged(table: str, kind: int, event: str, row: str) -> str:
@@ -109,8 +113,8 @@ def _logged(table: str, kind: int, event: str, row: str) -> str:
 CHANGE_LOG = (
     *(_logged("nodes", NODE_CHANGE, e, "OLD" if e == "DELETE" else "NEW") for e in ("INSERT", "UPDATE", "DELETE")),
     *(_logged("files", FILE_CHANGE, e, "OLD" if e == "DELETE" else "NEW") for e in ("INSERT", "UPDATE", "DELETE")),
-    f"CREATE TRIGGER IF NOT EXISTS changes_trimmed AFTER INSERT ON changes WHEN NEW.seq % {LOG_TRIM_EVERY} = 0 "
-    f"BEGIN DELETE FROM changes WHERE seq <= NEW.seq - {LOG_KEEP}; END",
+    # (the trigger that trimmed it inside the transaction that logged, before 2026-12-05)
+    "DROP TRIGGER IF EXISTS changes_trimmed",
 )
 
 #: a node's and a file's statistics go with them (one statement per removal: the disk

@@ -34,6 +34,7 @@ from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
 from .changelog import ChangeSet
+from . import schema
 from .locks import INDEX, OrderedLock
 from .schema import (
     CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSIONS, TRIGGERS, WAL_LIMIT,
@@ -76,6 +77,10 @@ class Index(StatisticsTables):
         self._lock = OrderedLock(INDEX, "index")
         self._in_transaction = False
         self._tx_thread = 0
+        #: write transactions since this process last trimmed the change log (``None``:
+        #: not before the open's own transaction has made sure the log exists)
+        self._untrimmed: int | None = None
+        self._trim_mark: int | None = None  # the log's newest entry at the previous trim
         try:
             with self._lock:
                 if read_only:
@@ -94,6 +99,7 @@ class Index(StatisticsTables):
                             conn.execute(
                                 "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,)
                             )
+                    self._untrimmed = 0
             self._seen_version = self.data_version()
         except BaseException as exc:
             self._conn.close()
@@ -169,6 +175,22 @@ class Index(StatisticsTables):
                 if not durable:
                     self._conn.execute("PRAGMA synchronous=FULL")
 
+    def _trim_log(self) -> None:
+        """Every `schema.LOG_TRIM_EVERY`-th write transaction, right after its ``BEGIN``
+        (never among its own entries): delete the change log's entries `schema.LOG_KEEP`
+        or more older than the newest that are also no newer than the newest at this
+        process's previous trim (what was logged since then stays, however much)."""
+        if self._untrimmed is None:
+            return
+        self._untrimmed += 1
+        if self._untrimmed < schema.LOG_TRIM_EVERY:
+            return
+        self._untrimmed = 0
+        (last,) = self._conn.execute("SELECT MAX(seq) FROM changes").fetchone()
+        if last is not None and self._trim_mark is not None:
+            self._conn.execute("DELETE FROM changes WHERE seq <= ?", (min(last - schema.LOG_KEEP, self._trim_mark),))
+        self._trim_mark = last
+
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
@@ -183,6 +205,7 @@ class Index(StatisticsTables):
             self._in_transaction, self._tx_thread = True, threading.get_ident()
             try:
                 try:
+                    self._trim_log()
                     yield self._conn
                 except BaseException as exc:
                     self._rollback()
