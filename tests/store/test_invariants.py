@@ -238,6 +238,7 @@ def test_a_refused_write_is_dropped_with_a_warning_and_the_store_stays_healthy(t
         with index.transaction() as conn:
             index.delete_node(conn, node.id)
             index.delete_file(conn, node.file_id)
+        index._seen_version = index.data_version()  # (a commit the tree is not told of)
         assert catalog.tree.get(node.id) is not None
         put(store, p + [1, 2, 3])  # plans on P's node, which the index no longer has
         assert store.stats()["write_failures"] == 1

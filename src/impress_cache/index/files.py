@@ -109,6 +109,18 @@ class NewFile:
     perm: np.ndarray | None = None
 
 
+#: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
+#: row's overflow pages (offsets, checksums) to get there, which slows the load at open
+FILE_COLUMNS = (
+    "id, name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, tokens, context, typeof(perm) != 'null'"
+)
+
+
+def file_record(row: tuple) -> FileRecord:
+    """A file record from a row of `FILE_COLUMNS` (checked: `check_record`)."""
+    return check_record(FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11])))
+
+
 def check_record(rec: FileRecord) -> FileRecord:
     """``rec`` if its values are possible, else `ValueError` (a damaged index row)."""
     if (

@@ -10,7 +10,8 @@ returns a plain `threading.RLock` (or `threading.Lock`): no cost at all.
 
 The ranks: `CATALOG` (the tree, the file table, the open files; every tree-changing
 index transaction begins under it) < `INDEX` (the SQLite connection: held for a
-statement or a transaction) < `STATISTICS` (the node values and importance statistics:
+statement or a transaction) < `INDEX_READ` (the index's read connection, for the reads
+requests make: held for one read) < `STATISTICS` (the node values and importance statistics:
 a transaction's removals update them; their deferred load reads the index before it
 takes them, `saved.DeferredLoad`) < `LEAF` (locks under which nothing else is taken:
 the lease table, the dirty-block set).
@@ -24,6 +25,7 @@ from typing import Any
 
 CATALOG = 10
 INDEX = 20
+INDEX_READ = 22
 STATISTICS = 25
 LEAF = 40
 

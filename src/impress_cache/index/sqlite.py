@@ -29,30 +29,16 @@ import numpy as np
 from ..errors import CorruptBlockError, ReadOnlyStoreError, StoreFormatError
 from .guard import MALFORMED, _check_regular, _guarded, index_error, is_damage
 from ..storage.base import create_file, disk_bytes
-from .files import FileRecord, FileTable, NewFile, check_record, gc_paused, release_free_heap
+from .files import FILE_COLUMNS, FileRecord, FileTable, NewFile, file_record, gc_paused, release_free_heap
+from .log_table import ChangeLogTable
 from .stats_tables import StatisticsTables, read_snapshot
 from .radix import RadixTree
 
-from .changelog import ChangeSet
-from . import schema
-from .locks import INDEX, OrderedLock
-from .schema import (
-    CHANGE_LOG, FILE_CHANGE, INVARIANTS, NODE_CHANGE, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSIONS, TRIGGERS, WAL_LIMIT,
-)
+from .locks import INDEX, INDEX_READ, OrderedLock
+from .schema import CHANGE_LOG, INVARIANTS, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSIONS, TRIGGERS, WAL_LIMIT
 
 
-#: ``typeof(perm)`` reads the type from the record header; ``perm IS NOT NULL`` walks the
-#: row's overflow pages (offsets, checksums) to get there, which slows the load at open
-_FILE_COLUMNS = (
-    "id, name, format, first_pos, n_tokens, chunk_tokens, layers, nbytes, file_bytes, tokens, context, typeof(perm) != 'null'"
-)
-
-
-def _record(row: tuple) -> FileRecord:
-    return check_record(FileRecord(*row[:9], np.frombuffer(row[9], dtype="<i4"), bytes(row[10]), bool(row[11])))
-
-
-class Index(StatisticsTables):
+class Index(StatisticsTables, ChangeLogTable):
     """A WAL-mode SQLite database; every method is safe to call from any thread.
 
     Every SQLite error (and every malformed value read back) is raised as an
@@ -100,9 +86,14 @@ class Index(StatisticsTables):
                                 "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (SCHEMA_VERSION,)
                             )
                     self._untrimmed = 0
+            self._reader, self._read_lock = self._conn, self._lock  # (read-only: the one connection)
+            if not read_only:
+                self._reader, self._read_lock = self._connect(path, False, file_mode), OrderedLock(INDEX_READ, "index reader")
+                self._reader.execute("PRAGMA query_only=1")
             self._seen_version = self.data_version()
         except BaseException as exc:
-            self._conn.close()
+            for conn in {id(c): c for c in (self._conn, getattr(self, "_reader", self._conn))}.values():
+                conn.close()
             if is_damage(exc):
                 raise index_error(path, exc) from exc
             raise
@@ -146,8 +137,18 @@ class Index(StatisticsTables):
         return None if version is None else version[0]
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
+            self._reader.close()
             self._conn.close()
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """The read connection, for the reads requests make (block tables, the change
+        log): a write connection of its own would keep them waiting for this process's
+        write transactions and checkpoints, which in WAL mode never block a reader.
+        Inside this thread's own transaction: that transaction (it reads its own writes)."""
+        with self._lock if self.in_transaction() else self._read_lock:
+            yield self._conn if self.in_transaction() else self._reader
 
     # -- transactions ----------------------------------------------------------------
     def in_transaction(self) -> bool:
@@ -174,22 +175,6 @@ class Index(StatisticsTables):
             finally:
                 if not durable:
                     self._conn.execute("PRAGMA synchronous=FULL")
-
-    def _trim_log(self) -> None:
-        """Every `schema.LOG_TRIM_EVERY`-th write transaction, right after its ``BEGIN``
-        (never among its own entries): delete the change log's entries `schema.LOG_KEEP`
-        or more older than the newest that are also no newer than the newest at this
-        process's previous trim (what was logged since then stays, however much)."""
-        if self._untrimmed is None:
-            return
-        self._untrimmed += 1
-        if self._untrimmed < schema.LOG_TRIM_EVERY:
-            return
-        self._untrimmed = 0
-        (last,) = self._conn.execute("SELECT MAX(seq) FROM changes").fetchone()
-        if last is not None and self._trim_mark is not None:
-            self._conn.execute("DELETE FROM changes WHERE seq <= ?", (min(last - schema.LOG_KEEP, self._trim_mark),))
-        self._trim_mark = last
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -228,20 +213,14 @@ class Index(StatisticsTables):
             pass
 
     def data_version(self) -> int:
-        with self._lock:
-            return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        """``PRAGMA data_version`` of the read connection: it changes with every commit of
+        another connection, this process's writes included."""
+        with self._read_lock:
+            return int(self._reader.execute("PRAGMA data_version").fetchone()[0])
 
-    def changed_elsewhere(self, wait: bool = True) -> bool:
-        """True once after another connection (process) committed a change. Not
-        ``wait``: False at once when another thread of this process is using the index
-        (a transaction, a checkpoint); the next call looks."""
-        if not wait:
-            if not self._lock.acquire(blocking=False):
-                return False
-            try:
-                return self.changed_elsewhere()
-            finally:
-                self._lock.release()
+    def changed_elsewhere(self) -> bool:
+        """True once after a commit to the index (another process's, or this process's
+        own: following that changes nothing); never waits for this process's writes."""
         v = self.data_version()
         if v != self._seen_version:
             self._seen_version = v
@@ -324,14 +303,14 @@ class Index(StatisticsTables):
         return int(cur.lastrowid)
 
     def file(self, file_id: int) -> FileRecord | None:
-        with self._lock:
-            row = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id=?", (file_id,)).fetchone()
-        return None if row is None else _record(row)
+        with self._reading() as conn:
+            row = conn.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE id=?", (file_id,)).fetchone()
+        return None if row is None else file_record(row)
 
     def files(self) -> list[FileRecord]:
         with self._lock:
-            rows = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files").fetchall()
-        return [_record(r) for r in rows]
+            rows = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files").fetchall()
+        return [file_record(r) for r in rows]
 
     def has_file(self, name: str) -> bool:
         """Whether a file of that name is in the index (an indexed lookup)."""
@@ -344,8 +323,8 @@ class Index(StatisticsTables):
 
     def block_table(self, file_id: int) -> tuple[np.ndarray, np.ndarray] | None:
         """``(offsets, checksums)`` of a file: ``int64`` and ``uint32`` ``[2, layers, blocks]``."""
-        with self._lock:
-            row = self._conn.execute(
+        with self._reading() as conn:
+            row = conn.execute(
                 "SELECT layers, n_tokens, chunk_tokens, offsets, checksums FROM files WHERE id=?", (file_id,)
             ).fetchone()
         if row is None:
@@ -359,8 +338,8 @@ class Index(StatisticsTables):
 
     def file_perm(self, file_id: int) -> np.ndarray | None:
         """``perm[layer, r]`` of a reordered file (the physical row of logical row ``r``)."""
-        with self._lock:
-            row = self._conn.execute("SELECT layers, n_tokens, perm FROM files WHERE id=?", (file_id,)).fetchone()
+        with self._reading() as conn:
+            row = conn.execute("SELECT layers, n_tokens, perm FROM files WHERE id=?", (file_id,)).fetchone()
         if row is None or row[2] is None:
             return None
         try:
@@ -451,7 +430,7 @@ class Index(StatisticsTables):
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
         with self._lock, read_snapshot(self._conn):  # one snapshot of both tables (and the log's position)
-            seq = self._log_position()
+            seq = self._log_position(self._conn)
             files = self._load_files()
             cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
             parts = [np.zeros((0, 6), np.int64)]
@@ -478,62 +457,11 @@ class Index(StatisticsTables):
         tree.log_seq = seq
         return tree, files
 
-    def _log_position(self) -> int | None:
-        """The change log's last sequence number (0: none yet); ``None`` without a log."""
-        if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='changes'").fetchone() is None:
-            return None
-        row = self._conn.execute("SELECT seq FROM sqlite_sequence WHERE name='changes'").fetchone()
-        return 0 if row is None else int(row[0])
-
-    def changes_since(
-        self, seq: int | None, wait: bool = True, conn: sqlite3.Connection | None = None
-    ) -> ChangeSet | None | bool:
-        """What the change log holds after entry ``seq``: the ids of the node and file rows
-        inserted, updated or deleted since, and the current rows of those still there, all
-        in one read snapshot. ``None`` when the log cannot tell (no log, or its entries
-        after ``seq`` were trimmed away): the caller reloads the whole tree. Not ``wait``:
-        False at once when another thread of this process is using the index. ``conn``:
-        this thread's open write transaction, read right before its ``COMMIT`` (its own
-        uncommitted rows and entries included, no read transaction of its own): under the
-        write lock no other process commits, so that is the index once ``COMMIT`` returns."""
-        if conn is not None and (conn is not self._conn or not self.in_transaction()):
-            raise RuntimeError("changes_since(conn=...) reads inside this thread's own index transaction only")
-        if seq is None:
-            return None
-        if not self._lock.acquire(blocking=wait):
-            return False
-        try:
-            return self._changes_since(seq)
-        finally:
-            self._lock.release()
-
-    def _changes_since(self, seq: int) -> ChangeSet | None:
-        with self._lock, read_snapshot(self._conn):  # (inside a write transaction: read with it, no BEGIN)
-            last = self._log_position()
-            if last is None:
-                return None
-            if last == seq:
-                return ChangeSet(seq)
-            first = self._conn.execute("SELECT MIN(seq) FROM changes").fetchone()[0]
-            if last < seq or first is None or first > seq + 1:
-                return None
-            touched = "SELECT id FROM changes WHERE seq > ? AND kind = ?"
-            node_ids = {r[0] for r in self._conn.execute(touched, (seq, NODE_CHANGE))}
-            file_ids = {r[0] for r in self._conn.execute(touched, (seq, FILE_CHANGE))}
-            nodes = self._conn.execute(
-                f"SELECT id, parent, file_id, file_row, length, terminal FROM nodes WHERE id IN ({touched})",
-                (seq, NODE_CHANGE),
-            ).fetchall()
-            files = self._conn.execute(
-                f"SELECT {_FILE_COLUMNS} FROM files WHERE id IN ({touched})", (seq, FILE_CHANGE)
-            ).fetchall()
-        return ChangeSet(last, node_ids, [tuple(map(int, r)) for r in nodes], file_ids, [_record(r) for r in files])
-
     def _load_files(self) -> FileTable:
         """Every file row as a `FileTable` (under the lock, in a read transaction)."""
         _, total = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM files").fetchone()
         builder = FileTable.Builder(total)
-        cur = self._conn.execute(f"SELECT {_FILE_COLUMNS} FROM files ORDER BY id")
+        cur = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files ORDER BY id")
         while rows := cur.fetchmany(512):  # a chunk at a time: little transient memory
             builder.add_rows(rows)
         return builder.build()
@@ -544,7 +472,7 @@ _DECODING = {
     "get_json", "get_or_set_json", "file", "files", "block_table", "file_perm", "total_bytes", "load_tree",
     "load_block_stats", "load_node_stats", "load_importance", "changes_since",
 }
-for _name, _fn in [*vars(StatisticsTables).items(), *vars(Index).items()]:
+for _name, _fn in [*vars(StatisticsTables).items(), *vars(ChangeLogTable).items(), *vars(Index).items()]:
     if callable(_fn) and not _name.startswith("_") and _name not in ("transaction", "close"):
         setattr(Index, _name, _guarded(_fn, decoding=_name in _DECODING))
 

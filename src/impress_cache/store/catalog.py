@@ -157,10 +157,8 @@ class Catalog:
         #: whole-tree reloads instead (the log trimmed past this tree's position, or absent)
         self.log_applied = 0
         self.log_reloads = 0
-        #: the change log's entry the tree follows (`Index.changes_since`), and whether
-        #: another process committed after it (seen, not yet applied: the index was busy)
+        #: the change log's entry the tree follows (`Index.changes_since`)
         self._log_seq: int | None = None
-        self._behind = False
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
         #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
@@ -223,38 +221,36 @@ class Catalog:
             return self.tree.match(tokens, limit)
 
     def refresh(self, wait: bool = True) -> None:
-        """Follow the index if another process changed it (``wait``: see
-        `Index.changed_elsewhere`): `catch_up`, or a reload of a tree left stale."""
+        """Follow the index if it changed (`Index.changed_elsewhere`): `catch_up`, or a
+        reload of a tree left stale. ``wait``: first wait until writes that let the lock
+        go for their ``COMMIT`` have applied it (not for a request's look)."""
         with self.lock:
             if wait and not self.index.in_transaction():  # (inside one, nothing is unsettled)
                 self._settled.wait_for(self._clear)
             self.refreshes += 1
             if self._stale:
                 self.reload_tree()
-            elif self.index.changed_elsewhere(wait) or self._behind:
-                self.catch_up(wait)
+            elif self.index.changed_elsewhere():
+                self.catch_up()
 
-    def catch_up(self, wait: bool = True, counted: bool = True) -> None:
+    def catch_up(self, counted: bool = True) -> None:
         """Apply the change log's entries since the tree's position (every process's
         commits, this one's included: applying those again changes nothing); reload the
         whole tree when the log cannot tell (trimmed past the position, or no log) or
-        its changes do not fit the tree. Not ``wait``: nothing now if another thread of
-        this process is using the index (the next `refresh` catches up). A failure
+        its changes do not fit the tree. The log is read through the index's read
+        connection, which never waits for this process's writes. A failure
         leaves the tree stale: the next `refresh` reloads it. ``counted``: a look after
         another process's commit (``log_applied``), not after this process's own."""
         with self.lock:
             try:
-                self._catch_up(wait, counted)
+                self._catch_up(counted)
             except BaseException:
                 self._stale = True
                 raise
 
-    def _catch_up(self, wait: bool, counted: bool) -> None:
+    def _catch_up(self, counted: bool) -> None:
         with self.lock:
-            changes = self.index.changes_since(self._log_seq, wait)
-            self._behind = changes is False
-            if changes is False:
-                return
+            changes = self.index.changes_since(self._log_seq)
             if changes is None:
                 self.log_reloads += 1
                 self.reload_tree()
@@ -277,7 +273,9 @@ class Catalog:
                 return
             self._log_seq = changes.seq
             self.log_applied += counted
-            self._on_leaves(applied.leaves, False, applied.removed)
+            # (not while a write of this process is between its COMMIT and its `follow`:
+            # the node its split replaced still gives the halves its statistics)
+            self._on_leaves(applied.leaves, False, () if self._unsettled else applied.removed)
             self.forget({r.id for r in applied.dropped}, applied.dropped)
 
     def _clear(self) -> bool:
@@ -324,7 +322,7 @@ class Catalog:
         with self.lock:
             self._stale = True  # until the load succeeds (the next refresh tries again)
             self._load()
-            self._stale = self._behind = False
+            self._stale = False
             self.forget({fid for fid in self.files.ids() if fid not in self.records})
 
     def commit_prompt(
