@@ -28,6 +28,7 @@ __all__ = [
     "mean_pairwise_jaccard",
     "select_units",
     "similarity_threshold",
+    "top_jaccard",
     "topk_indices",
     "vote",
 ]
@@ -296,12 +297,32 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     # the k-th largest value splits the rows: everything above it is in, and of the
     # values equal to it the ones with the lowest indices fill up to k (the order a
     # stable descending sort gives), without sorting all P values
-    kth = torch.topk(s, k, dim=-1, sorted=True).values[..., -1:]
+    keep = _top_mask(s, k)
+    return torch.nonzero(keep.reshape(-1, s.shape[-1]))[:, 1].reshape(*s.shape[:-1], k)
+
+
+def _top_mask(s: Tensor, k: int) -> Tensor:
+    """Bool mask of the ``k`` highest of each row of sanitised ``s`` (ties: lower index)."""
+    kth = torch.topk(s, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = s > kth
     ties = s == kth
     fill = k - above.sum(dim=-1, keepdim=True)
-    keep = above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= fill))
-    return torch.nonzero(keep.reshape(-1, s.shape[-1]))[:, 1].reshape(*s.shape[:-1], k)
+    return above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= fill))
+
+
+def top_jaccard(scores: Tensor, k: int) -> float:
+    """Mean pairwise Jaccard similarity of the rows' top ``k`` of ``[H, P]`` scores:
+    ``float(mean_pairwise_jaccard(topk_indices(scores[None], k))[0])`` without building
+    the index sets (the sets are ``k``-of-``P`` masks; ``1.0`` for one row)."""
+    h = scores.shape[0]
+    if h <= 1:
+        return 1.0
+    _check_k(k, scores.shape[-1])
+    member = _top_mask(_sanitize_scores(scores), k).to(torch.float32)
+    inter = torch.mm(member, member.t())  # exact counts in float32
+    iu = torch.triu_indices(h, h, offset=1)
+    pair = inter[iu[0], iu[1]].to(torch.float64)
+    return float((pair / (2 * k - pair)).mean().to(torch.float32))  # every set has k members: |A | B| = 2k - |A & B|
 
 
 # ---------------------------------------------------------------------------
