@@ -451,3 +451,8 @@ def test_top_jaccard_equals_the_mean_pairwise_jaccard_of_the_top_k_sets(seed):
     for k in {1, p // 3 or 1, p - 1, p}:
         want = float(mean_pairwise_jaccard(topk_indices(scores[None], k))[0])
         assert top_jaccard(scores, k) == want
+    # the two ways (sets of a sort for few scores, masks for many) agree
+    wide = scores.repeat(1, 2048 // p + 1)
+    for k in (1, wide.shape[1] // 4, wide.shape[1]):
+        want = float(mean_pairwise_jaccard(topk_indices(wide[None], k))[0])
+        assert top_jaccard(wide, k) == want

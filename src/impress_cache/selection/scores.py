@@ -37,6 +37,10 @@ __all__ = [
 #: `attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
 DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
 
+#: `top_jaccard` sorts at most this many scores per head (and intersects the sets in
+#: Python); above it, it compares top-k masks
+SMALL_TOP_JACCARD: int = 2048
+
 
 # ---------------------------------------------------------------------------
 # small private helpers
@@ -314,14 +318,19 @@ def top_jaccard(scores: Tensor, k: int) -> float:
     """Mean pairwise Jaccard similarity of the rows' top ``k`` of ``[H, P]`` scores:
     ``float(mean_pairwise_jaccard(topk_indices(scores[None], k))[0])`` without building
     the index sets (the sets are ``k``-of-``P`` masks; ``1.0`` for one row)."""
-    h = scores.shape[0]
+    h, p = scores.shape
     if h <= 1:
         return 1.0
-    _check_k(k, scores.shape[-1])
-    member = _top_mask(_sanitize_scores(scores), k).to(torch.float32)
-    inter = torch.mm(member, member.t())  # exact counts in float32
-    iu = torch.triu_indices(h, h, offset=1)
-    pair = inter[iu[0], iu[1]].to(torch.float64)
+    _check_k(k, p)
+    s = _sanitize_scores(scores)
+    if p <= SMALL_TOP_JACCARD:  # few scores (units): one stable sort, the sets in Python
+        top = [set(r) for r in torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k].tolist()]
+        inter = [len(top[a] & top[b]) for a in range(h) for b in range(a + 1, h)]
+        pair = torch.tensor(inter, dtype=torch.float64)
+    else:
+        member = _top_mask(s, k).to(torch.float32)
+        iu = torch.triu_indices(h, h, offset=1)
+        pair = torch.mm(member, member.t())[iu[0], iu[1]].to(torch.float64)  # exact counts in float32
     return float((pair / (2 * k - pair)).mean().to(torch.float32))  # every set has k members: |A | B| = 2k - |A & B|
 
 

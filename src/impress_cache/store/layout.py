@@ -210,12 +210,11 @@ class LayerView:
             raise ValueError("gather reads K/V blocks; use gather_rows for probe pieces")
         pool = blocks.placed().pool
         _, _, heads, s, dim = pool.shape
-        idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], s, positions)
+        # a slot holds [2, heads, s] rows: the row of (kv, head, position) is the slot's
+        # first row + (kv * heads + head) * s + the position's row in its block
+        idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], 2 * heads * s, positions)
         k = idx.shape[-1]
-        slot, row = (idx // s).view(1, -1, k), (idx % s).view(1, -1, k)  # [1, 1 or H, k]
-        kv = torch.arange(2).view(2, 1, 1)
-        head = torch.arange(heads).view(1, heads, 1)
-        flat = ((slot * 2 + kv) * heads + head) * s + row  # [2, H, k]
+        flat = idx.view(1, -1, k) + torch.arange(0, 2 * heads * s, s).view(2, heads, 1)  # [2, H, k]
         rows = pool.reshape(-1, dim)
         if out is None:
             got = rows.index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
