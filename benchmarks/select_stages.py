@@ -2,6 +2,7 @@
 
     python benchmarks/select_stages.py --lengths 8000 --out results/select-stages.json
     PYTHONPATH=/path/to/other/src python benchmarks/select_stages.py ...   # another tree
+    python benchmarks/select_stages.py --scores bounds --process-threads ...   # bounds on 2 threads
 
 The prefix (``pydoc_data.topics`` prose, as ``benchmarks/ttft.py``) and its question are
 stored once; then, per ``block_scores`` (``rows``, ``bounds``), ``important_ratio=0.25``
@@ -87,7 +88,17 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--scores", nargs="+", default=["rows", "bounds"])
     p.add_argument("--out", default="results/select-stages.json")
+    p.add_argument(
+        "--process-threads", action="store_true",
+        help="bounds selection on the process's torch threads too (not on one: what that gives)",
+    )
     args = p.parse_args()
+    if args.process_threads:
+        import contextlib
+
+        import impress_cache.hf.sparse as sparse
+
+        sparse.intra_op_threads = lambda n: contextlib.nullcontext()  # type: ignore[assignment]
     torch.set_num_threads(2)
     model, tok = load_smollm2()
     layers = model.config.num_hidden_layers
@@ -135,6 +146,7 @@ def main() -> int:
         "command": " ".join(["benchmarks/select_stages.py", *sys.argv[1:]]),
         "library": str(Path(__import__("impress_cache").__file__).resolve().parent),
         "torch_threads": 2,
+        "process_threads": args.process_threads,
         "load_average_at_start": load_start,
         "load_average_at_end": os.getloadavg(),
         "layers": layers,
