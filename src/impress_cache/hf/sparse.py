@@ -147,7 +147,8 @@ class SparsePrefill:
                 if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
                     buf[:, i, :, : self.k - k_i] = 0
                 self.selections.setdefault(layer_idx, {})[i] = sel.rows
-                if out is None or sel.keys.data_ptr() != out[0].data_ptr() or sel.values.data_ptr() != out[1].data_ptr():
+                in_place = out is not None and sel.keys.data_ptr() == out[0].data_ptr()
+                if not (in_place and sel.values.data_ptr() == out[1].data_ptr()):
                     buf[0, i, :, self.k - k_i : self.k] = sel.keys
                     buf[1, i, :, self.k - k_i : self.k] = sel.values
                 if mem is None:

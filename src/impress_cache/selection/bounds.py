@@ -7,9 +7,9 @@ the block's keys,
 
     q . k  <=  sum_c max(q_c * lo_c, q_c * hi_c)  =  q+ . hi  +  q- . lo
 
-for every key ``k`` of the block (``q+ = max(q, 0)``, ``q- = min(q, 0)``), which is two
-small matrix products against ``P / chunk_tokens`` summaries instead of one against
-``P`` rows.
+for every key ``k`` of the block (``q+ = max(q, 0)``, ``q- = min(q, 0)``): one small
+product of ``[q+, q-]`` against ``[hi; lo]`` (`BlockSummaries.stacked`) over ``P /
+chunk_tokens`` summaries instead of one against ``P`` rows.
 
 * `block_summaries` computes the ``lo``/``hi`` summaries of a layer's probe keys, per unit
   (the part of one stored block a prefix covers; see `store.layout`);
