@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 
 from helpers import blockset_of
-from impress_cache.selection.bounds import block_summaries, bound_logits, take_units, unit_row_scores, unit_scores
+from impress_cache.selection.bounds import (
+    block_summaries, bound_logits, take_units, unit_row_scores, unit_scores, units_taken,
+)
 from impress_cache.selection.scores import select_units
 from impress_cache.selection.selectors import select_row
 from impress_cache.store.layout import PrefixLayout
@@ -76,6 +78,9 @@ def test_take_units_equals_select_units_on_shared_row_scores(pieces, ct, seed, f
     # the same units, and the same number of rows from each (rows of one unit tie)
     assert torch.equal(torch.bincount(lay.unit_of[rows], minlength=len(lay.units)),
                        torch.bincount(lay.unit_of[expected], minlength=len(lay.units)))
+    # the units it names to read are exactly those holding the rows (absent units too)
+    same, units = units_taken(scores, lay.unit_of, lay.unit_count, k)
+    assert torch.equal(same, rows) and units == lay.units_for(rows)
 
 
 def test_unit_scores_are_a_softmax_per_query_head_and_token():

@@ -16,6 +16,7 @@ from impress_cache.selection.scores import (
     expected_random_jaccard,
     mean_pairwise_jaccard,
     similarity_threshold,
+    top_jaccard,
     topk_indices,
     vote,
 )
@@ -436,3 +437,22 @@ def test_choose_probe_heads_properties(kv, group, data):
 def test_choose_probe_heads_validation(args):
     with pytest.raises(ValueError):
         choose_probe_heads(*args)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_top_jaccard_equals_the_mean_pairwise_jaccard_of_the_top_k_sets(seed):
+    """The selection's agreement, from masks, is the number the index sets give, ties and
+    NaN included (the threshold test compares it exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    h, p = 1 + seed % 4, 5 + seed * 7
+    scores = torch.randint(0, 4, (h, p), generator=g).float()  # many ties
+    if seed % 3 == 0:
+        scores[0, ::5] = float("nan")
+    for k in {1, p // 3 or 1, p - 1, p}:
+        want = float(mean_pairwise_jaccard(topk_indices(scores[None], k))[0])
+        assert top_jaccard(scores, k) == want
+    # the two ways (sets of a sort for few scores, masks for many) agree
+    wide = scores.repeat(1, 2048 // p + 1)
+    for k in (1, wide.shape[1] // 4, wide.shape[1]):
+        want = float(mean_pairwise_jaccard(topk_indices(wide[None], k))[0])
+        assert top_jaccard(wide, k) == want

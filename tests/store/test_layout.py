@@ -129,6 +129,19 @@ def test_layout_gather_matches_a_row_by_row_copy(pieces, chunk, per_head, split,
             pos = positions[h] if per_head else positions
             assert torch.equal(keys[h], expect[0, h, pos])
             assert torch.equal(values[h], expect[1, h, pos])
+        # into a layer's buffer (room after the k rows: written in place) and into a
+        # batch row of a larger one (a copy): the same rows, no other batch row touched
+        room = data.draw(st.integers(0, 3))
+        for batch, row in ((1, 0), (3, 1)):
+            buf = torch.full((2, batch, heads, k + room, dim), 7.0)
+            got = view.gather(units, blocks(layer, units), positions, out=buf[:, row, :, :k])
+            assert torch.equal(got[0], keys) and torch.equal(got[1], values)
+            assert torch.equal(buf[:, row, :, :k], torch.stack([keys, values]))
+            assert got[0].data_ptr() == buf[0, row].data_ptr()
+            others = [b for b in range(batch) if b != row]
+            assert bool((buf[:, others] == 7.0).all())
+            if batch > 1:  # a view the rows cannot tile: its room is left alone
+                assert bool((buf[:, row, :, k:] == 7.0).all())
         # every position, from every unit of the layer
         all_units = view.units_all()
         keys, values = view.gather(all_units, blocks(layer, all_units))

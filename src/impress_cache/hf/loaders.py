@@ -252,7 +252,11 @@ class ProbeLoader:
             raws.append(raw)
             keys = self.decode(raw)
             out.append(keys)
-            bounds.append(block_summaries(keys, *view.unit_table()) if self.summaries is not None else None)
+            summ = None
+            if self.summaries is not None:
+                summ = block_summaries(keys, *view.unit_table())
+                summ.stacked, summ.all_present  # made here, off the layers' path  # noqa: B018
+            bounds.append(summ)
             self.read.add(blocks.stats)
         if self.raw is not None:
             self.raw[layer] = raws

@@ -11,7 +11,8 @@ the whole prefix for ``decode="full"`` does not read them again.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +30,20 @@ from ..store.store import ImpressStore
 from .hooks import hooks_installed
 from .loaders import ProbeLoader, prefix_buffer
 from .reselect import Reselector, reselects
+
+
+@contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """Run the block with at most ``n`` intra-op CPU threads (``None``: as set)."""
+    before = torch.get_num_threads()
+    if n is None or n >= before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class SparsePrefill:
@@ -108,36 +123,42 @@ class SparsePrefill:
         t1 = time.perf_counter()
         if recomputed is not None:
             self.stats.recomputed_layers += 1
-        batch = key_states.shape[0]
-        # zeros only where a row leaves some of the k rows unfilled (masked, but never garbage)
-        lays = [self.layouts[self.row_of(i)] for i in range(batch)]
-        buf_zeroed = any(lay is None or lay.length < self.k for lay in lays)
-        buf = prefix_buffer(self.store, batch, self.k, self.room, buf_zeroed)
-        sims, thresholds, fell_back = [], [], False
-        for i in range(batch):
-            src = self.row_of(i)
-            lay = self.layouts[src]
-            if lay is None:
-                continue
-            mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
-            sel = self._select_row(
-                layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem, mode,
-                None if bounds is None else bounds[src],
-            )
-            k_i = sel.keys.shape[1]
-            if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
-                buf[:, i, :, : self.k - k_i] = 0
-            self.selections.setdefault(layer_idx, {})[i] = sel.rows
-            buf[0, i, :, self.k - k_i : self.k] = sel.keys
-            buf[1, i, :, self.k - k_i : self.k] = sel.values
-            if mem is None:
-                self._count(sel.read)
-                self._note(layer_idx, src, lay, sel)
-            if layer_idx == min(self._batch.sparse_layers):
-                self.stats.loaded_tokens += k_i
-            sims.append(sel.similarity)
-            thresholds.append(sel.threshold)
-            fell_back |= sel.fell_back
+        # bounds work on small tensors: a second intra-op thread costs more than it gives
+        with intra_op_threads(1 if self.store.config.block_scores == "bounds" else None):
+            batch = key_states.shape[0]
+            # zeros only where a row leaves some of the k rows unfilled (masked, but never garbage)
+            lays = [self.layouts[self.row_of(i)] for i in range(batch)]
+            buf_zeroed = any(lay is None or lay.length < self.k for lay in lays)
+            buf = prefix_buffer(self.store, batch, self.k, self.room, buf_zeroed)
+            sims, thresholds, fell_back = [], [], False
+            for i in range(batch):
+                src = self.row_of(i)
+                lay = self.layouts[src]
+                if lay is None:
+                    continue
+                mem = None if recomputed is None else self._row_from(recomputed, layer_idx, src, lay)
+                # a row that fills all k rows is gathered straight into the buffer
+                out = buf[:, i, :, : self.k] if lay.length >= self.k else None
+                sel = self._select_row(
+                    layer_idx, i, lay, queries[i], key_states[i], None if probes is None else probes[src], mem, mode,
+                    None if bounds is None else bounds[src], out,
+                )
+                k_i = sel.keys.shape[1]
+                if k_i < self.k and not buf_zeroed:  # never leave unused memory visible
+                    buf[:, i, :, : self.k - k_i] = 0
+                self.selections.setdefault(layer_idx, {})[i] = sel.rows
+                in_place = out is not None and sel.keys.data_ptr() == out[0].data_ptr()
+                if not (in_place and sel.values.data_ptr() == out[1].data_ptr()):
+                    buf[0, i, :, self.k - k_i : self.k] = sel.keys
+                    buf[1, i, :, self.k - k_i : self.k] = sel.values
+                if mem is None:
+                    self._count(sel.read)
+                    self._note(layer_idx, src, lay, sel)
+                if layer_idx == min(self._batch.sparse_layers):
+                    self.stats.loaded_tokens += k_i
+                sims.append(sel.similarity)
+                thresholds.append(sel.threshold)
+                fell_back |= sel.fell_back
         self.stats.layer_similarity.append(sum(sims) / max(1, len(sims)))
         self.stats.layer_threshold.append(sum(thresholds) / max(1, len(thresholds)))
         if fell_back:
@@ -190,6 +211,7 @@ class SparsePrefill:
         mem: tuple[torch.Tensor, torch.Tensor] | None,
         mode: str | None = None,
         summaries: BlockSummaries | None = None,
+        out: torch.Tensor | None = None,
     ) -> RowSelection:
         store, cfg = self.store, self.store.config
         mode = mode or cfg.selection
@@ -223,6 +245,7 @@ class SparsePrefill:
             keep=(cfg.keep_sinks, cfg.keep_recent),
             block_scores=cfg.block_scores,
             summaries=summaries,
+            out=out,
         )
 
     def _read_units(

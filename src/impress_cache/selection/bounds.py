@@ -7,9 +7,9 @@ the block's keys,
 
     q . k  <=  sum_c max(q_c * lo_c, q_c * hi_c)  =  q+ . hi  +  q- . lo
 
-for every key ``k`` of the block (``q+ = max(q, 0)``, ``q- = min(q, 0)``), which is two
-small matrix products against ``P / chunk_tokens`` summaries instead of one against
-``P`` rows.
+for every key ``k`` of the block (``q+ = max(q, 0)``, ``q- = min(q, 0)``): one small
+product of ``[q+, q-]`` against ``[hi; lo]`` (`BlockSummaries.stacked`) over ``P /
+chunk_tokens`` summaries instead of one against ``P`` rows.
 
 * `block_summaries` computes the ``lo``/``hi`` summaries of a layer's probe keys, per unit
   (the part of one stored block a prefix covers; see `store.layout`);
@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockSummaries", "block_summaries", "bound_logits", "take_units", "unit_row_scores", "unit_scores"]
+__all__ = [
+    "BlockSummaries", "block_summaries", "bound_logits", "take_units", "units_taken", "unit_row_scores", "unit_scores",
+]
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,18 @@ class BlockSummaries:
     hi: Tensor
     #: ``[U]`` bool: the unit holds at least one position of the layer
     present: Tensor
+
+    @cached_property
+    def stacked(self) -> Tensor:
+        """``[H, 2 D, U]``: ``hi`` over ``lo`` along the channels, transposed, so that one
+        batched product with ``[q+, q-]`` gives the bounds (`unit_scores`); made once per
+        layer (the probe loader makes it off the layers' path)."""
+        return torch.cat([self.hi, self.lo], dim=-1).transpose(-1, -2).contiguous()
+
+    @cached_property
+    def all_present(self) -> bool:
+        """Every unit holds a position of the layer (no logit to mask)."""
+        return bool(self.present.all())
 
 
 def block_summaries(keys: Tensor, table: Tensor, present: Tensor) -> BlockSummaries:
@@ -84,9 +99,11 @@ def unit_scores(queries: Tensor, summaries: BlockSummaries, scaling: float | Non
     group = hq // h
     if scaling is None:
         scaling = 1.0 / math.sqrt(d) if d > 0 else 1.0
-    q = (queries.float() * scaling).view(h, group * n, d)
-    logits = bound_logits(q, summaries.lo, summaries.hi)  # [H, group * n, U]
-    if not bool(summaries.present.all()):
+    q = (queries.float() * scaling).reshape(h, group * n, d)
+    pos = q.clamp(min=0)
+    # q+ . hi + q- . lo as one product: [q+, q-] against [hi; lo] (`bound_logits`)
+    logits = torch.bmm(torch.cat([pos, q - pos], dim=-1), summaries.stacked)  # [H, group * n, U]
+    if not summaries.all_present:
         logits = logits.masked_fill(~summaries.present, float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=1)
 
@@ -99,11 +116,17 @@ def unit_row_scores(scores: Tensor, unit_of: Tensor, unit_count: Tensor) -> Tens
 
 
 def take_units(scores: Tensor, unit_of: Tensor, unit_count: Tensor, k: int) -> Tensor:
+    """`units_taken`'s rows only."""
+    return units_taken(scores, unit_of, unit_count, k)[0]
+
+
+def units_taken(scores: Tensor, unit_of: Tensor, unit_count: Tensor, k: int) -> tuple[Tensor, list[int]]:
     """``[k]`` positions (ascending) of the best units by ``[U]`` ``scores``: units taken
     in descending score (ties: lower unit first) until they cover ``k`` positions; when
     the last one overshoots, the rows with the highest shared score (the unit's score over
     its size) are kept, lower positions first on ties. The same rows as
-    `scores.select_units` on `unit_row_scores`, from ``U`` scores instead of ``P``."""
+    `scores.select_units` on `unit_row_scores`, from ``U`` scores instead of ``P``.
+    Also returns the units (ascending) that hold the rows: the blocks to read."""
     s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
     order = torch.sort(s, descending=True, stable=True).indices
     covered = torch.cumsum(unit_count[order], dim=0)
@@ -113,5 +136,8 @@ def take_units(scores: Tensor, unit_of: Tensor, unit_count: Tensor, k: int) -> T
     rows = torch.nonzero(chosen[unit_of]).squeeze(1)
     if rows.numel() > k:
         per_row = (s / unit_count.clamp(min=1).to(torch.float64))[unit_of[rows]]
-        rows = rows[torch.sort(per_row, descending=True, stable=True).indices[:k]]
-    return torch.sort(rows).values
+        rows = torch.sort(rows[torch.sort(per_row, descending=True, stable=True).indices[:k]]).values
+        units = torch.unique(unit_of[rows])  # (a unit may have lost all its rows)
+    else:
+        units = torch.nonzero(chosen & (unit_count > 0)).squeeze(1)
+    return rows, units.tolist()

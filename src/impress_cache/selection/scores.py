@@ -28,6 +28,7 @@ __all__ = [
     "mean_pairwise_jaccard",
     "select_units",
     "similarity_threshold",
+    "top_jaccard",
     "topk_indices",
     "vote",
 ]
@@ -35,6 +36,10 @@ __all__ = [
 #: Upper bound on the number of float32 logits materialised per query-row chunk by
 #: `attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
 DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
+
+#: `top_jaccard` sorts at most this many scores per head (and intersects the sets in
+#: Python); above it, it compares top-k masks
+SMALL_TOP_JACCARD: int = 2048
 
 
 # ---------------------------------------------------------------------------
@@ -296,12 +301,37 @@ def topk_indices(scores: Tensor, k: int) -> Tensor:
     # the k-th largest value splits the rows: everything above it is in, and of the
     # values equal to it the ones with the lowest indices fill up to k (the order a
     # stable descending sort gives), without sorting all P values
-    kth = torch.topk(s, k, dim=-1, sorted=True).values[..., -1:]
+    keep = _top_mask(s, k)
+    return torch.nonzero(keep.reshape(-1, s.shape[-1]))[:, 1].reshape(*s.shape[:-1], k)
+
+
+def _top_mask(s: Tensor, k: int) -> Tensor:
+    """Bool mask of the ``k`` highest of each row of sanitised ``s`` (ties: lower index)."""
+    kth = torch.topk(s, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = s > kth
     ties = s == kth
     fill = k - above.sum(dim=-1, keepdim=True)
-    keep = above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= fill))
-    return torch.nonzero(keep.reshape(-1, s.shape[-1]))[:, 1].reshape(*s.shape[:-1], k)
+    return above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= fill))
+
+
+def top_jaccard(scores: Tensor, k: int) -> float:
+    """Mean pairwise Jaccard similarity of the rows' top ``k`` of ``[H, P]`` scores:
+    ``float(mean_pairwise_jaccard(topk_indices(scores[None], k))[0])`` without building
+    the index sets (the sets are ``k``-of-``P`` masks; ``1.0`` for one row)."""
+    h, p = scores.shape
+    if h <= 1:
+        return 1.0
+    _check_k(k, p)
+    s = _sanitize_scores(scores)
+    if p <= SMALL_TOP_JACCARD:  # few scores (units): one stable sort, the sets in Python
+        top = [set(r) for r in torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k].tolist()]
+        inter = [len(top[a] & top[b]) for a in range(h) for b in range(a + 1, h)]
+        pair = torch.tensor(inter, dtype=torch.float64)
+    else:
+        member = _top_mask(s, k).to(torch.float32)
+        iu = torch.triu_indices(h, h, offset=1)
+        pair = torch.mm(member, member.t())[iu[0], iu[1]].to(torch.float64)  # exact counts in float32
+    return float((pair / (2 * k - pair)).mean().to(torch.float32))  # every set has k members: |A | B| = 2k - |A & B|
 
 
 # ---------------------------------------------------------------------------

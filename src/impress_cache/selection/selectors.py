@@ -26,9 +26,9 @@ import torch
 
 from ..store.blockset import BlockSet, ReadStats
 from ..store.layout import LayerView
-from .bounds import BlockSummaries, block_summaries, take_units, unit_row_scores, unit_scores
+from .bounds import BlockSummaries, block_summaries, take_units, unit_row_scores, unit_scores, units_taken
 from .modes import BASELINES
-from .scores import mean_jaccard_of, column_sums, select_units, similarity_threshold, topk_indices, vote
+from .scores import column_sums, select_units, similarity_threshold, top_jaccard, topk_indices, vote
 
 #: reads units (indices into ``layout.units``) of one layer, given the selected positions
 #: (``[k]`` or ``[H, k]``, for the blocks' importance shares; ``None``: all rows used)
@@ -76,11 +76,15 @@ def load_rows(
     thr: float,
     fell_back: bool,
     ranking: torch.Tensor | None = None,
+    units: list[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> RowSelection:
-    """Read the units holding ``rows`` and gather their K/V."""
-    units = layout.units_for(rows.reshape(-1))
+    """Read the units holding ``rows`` (``units``, when known) and gather their K/V (into
+    ``out``, a ``[2, H, k, D]`` tensor or view, when given: see `LayerView.gather`)."""
+    if units is None:
+        units = layout.units_for(rows.reshape(-1))
     blocks = read_units(units, rows)
-    keys, values = layout.gather(units, blocks, rows)
+    keys, values = layout.gather(units, blocks, rows, out=out)
     return RowSelection(keys, values, sim, thr, fell_back, rows, blocks.stats, ranking, len(units))
 
 
@@ -138,7 +142,10 @@ def bound_unit_scores(
         assert probe_keys is not None
         summaries = block_summaries(probe_keys, *layout.unit_table())
     group = queries.shape[0] // kv_heads
-    q_heads = [h for kv in probe_kv_heads for h in range(kv * group, (kv + 1) * group)]
+    heads = list(probe_kv_heads)
+    if heads == list(range(heads[0], heads[0] + len(heads))):  # a run of KV heads: a view
+        return unit_scores(queries[heads[0] * group : (heads[-1] + 1) * group], summaries)
+    q_heads = [h for kv in heads for h in range(kv * group, (kv + 1) * group)]
     return unit_scores(queries[q_heads], summaries)
 
 
@@ -154,6 +161,7 @@ def select_by_bounds(
     threshold: tuple[float, float | None],
     forced: torch.Tensor | None,
     summaries: BlockSummaries | None,
+    out: torch.Tensor | None = None,
 ) -> RowSelection:
     """``mode="block"`` with ``block_scores="bounds"``: everything on unit scores. The
     agreement of the probe heads is the Jaccard similarity of their top units (as many as
@@ -162,12 +170,11 @@ def select_by_bounds(
     p = layout.length
     count = layout.unit_count
     scores = bound_unit_scores(queries, hkv, probe_keys, probe_kv_heads, layout, summaries)  # [H, U]
-    n_units = scores.shape[1]
     present = int((count > 0).sum())
     k_u = min(present, max(1, math.ceil(k * present / p)))
     alpha, fixed = threshold
     thr = fixed if fixed is not None else similarity_threshold(k_u, present, alpha)
-    sim = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k_u), n_units)[0]) if scores.shape[0] > 1 else 1.0
+    sim = top_jaccard(scores, k_u)
     ranking_u = normalised_sum(scores)  # [U]
     ranking = unit_row_scores(ranking_u.unsqueeze(0), layout.unit_of, count)[0]
     combined = ranking_u
@@ -178,17 +185,18 @@ def select_by_bounds(
         combined = ranking_u.clone()
         combined[forced_units] += 1e9
     if sim >= thr:
-        rows = take_units(combined, layout.unit_of, count, k)
-        return load_rows(layout, rows, read_units, sim, thr, False, ranking)
+        rows, units = units_taken(combined, layout.unit_of, count, k)
+        return load_rows(layout, rows, read_units, sim, thr, False, ranking, units, out)
     if list(probe_kv_heads) == list(range(hkv)):
         rows = torch.stack([take_units(scores[h], layout.unit_of, count, k) for h in range(hkv)])
-        return load_rows(layout, rows, read_units, sim, thr, True, ranking)
-    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, sim, thr, ranking)
+        return load_rows(layout, rows, read_units, sim, thr, True, ranking, out=out)
+    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, sim, thr, ranking, out)
 
 
 def _own_rows_from_full(
     layout: LayerView, read_units: ReadUnits, queries: torch.Tensor, new_keys: torch.Tensor,
     forced: torch.Tensor | None, k: int, similarity: float, threshold: float, ranking: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> RowSelection:
     """The probe heads disagree and the probe copy lacks some KV heads: read the whole
     layer and let every KV head choose its own ``k`` rows."""
@@ -197,7 +205,7 @@ def _own_rows_from_full(
     if forced is not None:
         full_scores[:, forced] += 1e9
     rows = topk_indices(full_scores.unsqueeze(0), k)[0]  # [Hkv, k]
-    keys, values = layout.gather(units, blocks, rows)
+    keys, values = layout.gather(units, blocks, rows, out=out)
     return RowSelection(keys, values, similarity, threshold, True, rows, blocks.stats, ranking)
 
 
@@ -217,6 +225,7 @@ def select_row(
     keep: tuple[int, int] = (0, 0),
     block_scores: str = "rows",
     summaries: BlockSummaries | None = None,
+    out: torch.Tensor | None = None,
 ) -> RowSelection:
     """Select and load ``k`` prefix rows of one layer for one batch row.
 
@@ -258,6 +267,10 @@ def select_row(
     summaries:
         With ``"bounds"``: the units' key bounds, if already computed (for example by the
         probe loader); otherwise they are computed from ``probe_keys``.
+    out:
+        Where the selected keys and values go, ``[2, Hkv, k, D]`` (for example the
+        layer's buffer): the returned ``keys`` and ``values`` are then ``out[0]`` and
+        ``out[1]`` (the baselines ignore it).
     """
     if mode in BASELINES:
         from .baselines import select_baseline
@@ -271,7 +284,7 @@ def select_row(
         return select_by_bounds(
             queries=queries, new_keys=new_keys, probe_keys=probe_keys, probe_kv_heads=probe_kv_heads, layout=layout,
             k=k, read_units=read_units, threshold=(alpha, fixed_threshold), forced=kept_rows(p, *keep),
-            summaries=summaries,
+            summaries=summaries, out=out,
         )
     if block_scores == "bounds":  # token mode: the units' scores shared by their rows
         per_unit = bound_unit_scores(queries, hkv, probe_keys, probe_kv_heads, layout, summaries)
@@ -279,7 +292,7 @@ def select_row(
     else:
         scores = probe_scores(queries, new_keys, probe_keys, probe_kv_heads)  # [probed KV heads, P]
     threshold = fixed_threshold if fixed_threshold is not None else similarity_threshold(k, p, alpha)
-    similarity = float(mean_jaccard_of(topk_indices(scores.unsqueeze(0), k), p)[0]) if scores.shape[0] > 1 else 1.0
+    similarity = top_jaccard(scores, k)
     ranking = normalised_sum(scores)
     combined = ranking
     forced = kept_rows(p, *keep)
@@ -295,7 +308,7 @@ def select_row(
             rows = select_units(combined, layout.unit_of, k)
         else:
             rows = vote(scores.unsqueeze(0), k)[0]
-        return load_rows(layout, rows, read_units, similarity, threshold, False, ranking)
+        return load_rows(layout, rows, read_units, similarity, threshold, False, ranking, out=out)
 
     # the probe heads disagree: every KV head chooses its own rows
     if list(probe_kv_heads) == list(range(hkv)):
@@ -305,6 +318,6 @@ def select_row(
             rows = torch.stack([select_units(scores[h], layout.unit_of, k) for h in range(hkv)])
         else:
             rows = topk_indices(scores.unsqueeze(0), k)[0]  # [Hkv, k]
-        return load_rows(layout, rows, read_units, similarity, threshold, True, ranking)
+        return load_rows(layout, rows, read_units, similarity, threshold, True, ranking, out=out)
     # read the whole layer to get every KV head's keys
-    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, similarity, threshold, ranking)
+    return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, similarity, threshold, ranking, out)

@@ -110,6 +110,22 @@ class PrefixLayout:
         return unit_of, row_of
 
 
+def _rows_of(out: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A ``[2, heads, k, dim]`` view whose rows (after ``k`` rows of a head, ``room``
+    rows of nothing else) tile one contiguous span of memory: that span as ``[rows,
+    dim]`` and the room; ``None`` for any other layout (or a dtype/device a copy must
+    convert)."""
+    two, heads, k, dim = out.shape
+    if out.stride(3) != 1 or out.stride(2) != dim or k == 0 or dim == 0:
+        return None
+    per_head = out.stride(1)
+    if per_head % dim or per_head < k * dim or out.stride(0) != heads * per_head:
+        return None
+    r = per_head // dim
+    span = (two * heads - 1) * r + k
+    return out.as_strided((span, dim), (dim, 1)), r - k
+
+
 class LayerView:
     """One layer of a `PrefixLayout`: the unit and in-block row of every position."""
 
@@ -175,26 +191,42 @@ class LayerView:
         return b + self.row_of[positions]
 
     def gather(
-        self, units: Sequence[int], blocks: BlockSet, positions: torch.Tensor | None = None, offset: int = 0
+        self, units: Sequence[int], blocks: BlockSet, positions: torch.Tensor | None = None, offset: int = 0,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``positions`` from K/V blocks read for ``units``.
 
         The blocks of ``units`` are the keys ``offset .. offset + len(units)`` of
         ``blocks`` (in unit order). ``positions`` is ``[k]`` (the same rows for every
         head), ``[heads, k]`` (one set per head) or ``None`` (every position, in order).
-        Returns two ``[heads, k, head_dim]`` tensors (new memory, on the pool's device).
+        Returns two ``[heads, k, head_dim]`` tensors (new memory, on the pool's device),
+        or, with ``out`` (a ``[2, heads, k, head_dim]`` tensor or view), ``out[0]`` and
+        ``out[1]`` filled. When ``out`` is ``k`` rows of a ``[2, heads, R, head_dim]``
+        buffer (a layer's buffer with room for new rows) the rows go there with no copy
+        in between, and the buffer's other rows between one head's ``k`` and the next's
+        get arbitrary rows of the pool (the new tokens' keys and values overwrite them).
         """
         if blocks.kind != KV:
             raise ValueError("gather reads K/V blocks; use gather_rows for probe pieces")
         pool = blocks.placed().pool
         _, _, heads, s, dim = pool.shape
-        idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], s, positions)
+        # a slot holds [2, heads, s] rows: the row of (kv, head, position) is the slot's
+        # first row + (kv * heads + head) * s + the position's row in its block
+        idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], 2 * heads * s, positions)
         k = idx.shape[-1]
-        slot, row = (idx // s).view(1, -1, k), (idx % s).view(1, -1, k)  # [1, 1 or H, k]
-        kv = torch.arange(2).view(2, 1, 1)
-        head = torch.arange(heads).view(1, heads, 1)
-        flat = ((slot * 2 + kv) * heads + head) * s + row  # [2, H, k]
-        out = pool.reshape(-1, dim).index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
+        flat = idx.view(1, -1, k) + torch.arange(0, 2 * heads * s, s).view(2, heads, 1)  # [2, H, k]
+        rows = pool.reshape(-1, dim)
+        if out is None:
+            got = rows.index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
+            return got[0], got[1]
+        dense = _rows_of(out) if out.dtype == pool.dtype and out.device == pool.device else None
+        if dense is None:
+            out.copy_(rows.index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim))
+        else:
+            target, room = dense
+            if room:  # the room rows take row 0 of the pool
+                flat = torch.cat([flat, flat.new_zeros(2, heads, room)], dim=2)
+            torch.index_select(rows, 0, flat.reshape(-1)[: target.shape[0]].to(pool.device), out=target)
         return out[0], out[1]
 
     def gather_into(self, units: Sequence[int], blocks: BlockSet, out: torch.Tensor, offset: int = 0) -> None:
