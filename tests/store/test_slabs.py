@@ -73,7 +73,7 @@ def test_a_prefix_read_once_is_served_from_one_slab_per_layer_and_stays_exact(tm
         assert cache.stats.bytes_read_disk == 0 and cache.stats.matched_tokens == 90
 
 
-def test_a_slab_with_an_evicted_block_is_never_served_and_the_prefix_stays_exact(tmp_path, model):
+def test_a_slab_with_an_evicted_block_is_never_served_and_the_prefix_stays_exact_and_regroups(tmp_path, model):
     doc = _tok(3, 80)
     with ImpressStore(tmp_path, model, _cfg()) as store:
         assert_same_as_uncached(model, store, doc, new_tokens=3)
@@ -91,9 +91,12 @@ def test_a_slab_with_an_evicted_block_is_never_served_and_the_prefix_stays_exact
         cache = _exact_reuse(model, store, ids)
         assert cache.stats.bytes_read_disk == BLOCK  # the evicted block only
         assert torch.equal(_disk_rows(store, lay, 1), before)
-        # the block read again forms a slab of its own; layer 1 is served block by block
-        assert store.resident_rows(lay, 1) is None
+        # the block read again is a slab of its own, the runs of hits beside it slabs again
+        parts = store.resident_rows(lay, 1)
+        assert [p.shape[2] for p in parts] == [2 * CT, CT, 80 - 3 * CT]
+        assert torch.equal(torch.cat(parts, dim=2), before)
         assert torch.equal(store.resident_rows(lay, 0)[0], _disk_rows(store, lay, 0))
+        store.tiers._check_invariants()
 
 
 def test_a_quarantined_file_drops_its_slabs(tmp_path, model):

@@ -196,3 +196,23 @@ def test_budgets_hold_and_no_dissolved_group_is_served(seed, policy, two_tiers):
                     e = mgr._where.get(k)
                     assert e is None or not e.payload.shared  # nothing keeps the slab alive
                 del bound[g]
+
+
+def test_regroup_binds_resident_blocks_in_no_group_with_new_payloads():
+    mgr = _mgr()
+    keys = [("f", i) for i in range(3)]
+    old = [Payload(str(k), shared=False) for k in keys]
+    mgr.admit([(k, p, 100, 1.0) for k, p in zip(keys, old)])
+    used = mgr.used_bytes(DEVICE)
+
+    def make(current):
+        assert [p.name for p in current] == [p.name for p in old]
+        return [Payload(p.name) for p in current], "slab"
+
+    assert mgr.regroup("g", keys, make)
+    assert mgr.group_hit("g", 0, 3)[0] == "slab" and mgr.used_bytes(DEVICE) == used
+    assert all(mgr.get(k)[1].shared for k in keys)
+    assert not mgr.regroup("h", keys[1:], make)  # already in a group
+    mgr.evict(keys[0])
+    assert not mgr.regroup("g2", keys, make)  # one is not resident
+    mgr._check_invariants()

@@ -196,8 +196,8 @@ class BlockIO:
             got = self.slabs.rows(file_id, layer, r0, n, chunk)
             if got is None:
                 return None
-            views.append(got[0])
-            hits.append(got)
+            views.extend(g[0] for g in got)
+            hits.extend(got)
         row_bytes = self._spec.kv_row_bytes
         with self._lock:
             c = self.counters
@@ -333,6 +333,8 @@ class BlockIO:
                 [plan.keys[s] for s in todo], share_arr[todo].tolist(), plan.tier_nbytes[todo].tolist()
             )
             hits = [(s, hit[1]) for s, hit in zip(todo, found) if hit is not None]
+            if kind == KV and not place_hits:  # a dense layer: runs of hits in no slab become one
+                self.slabs.regroup(hits, s_files, s_layers, s_blocks, plan.keys, slot_rows)
             if not place_hits:  # blocks on the pool's device are used where they are
                 plan.held.update((slot, b) for slot, b in hits if b.device == plan.pool.device)
             self._place_many(plan.pool, kind, [(slot, b) for slot, b in hits if slot not in plan.held])

@@ -63,16 +63,11 @@ class Slabs:
         to bind once the payloads are admitted: ``(group, positions in slots, slab)``.
         A run is consecutive slots of one (file, layer) with consecutive blocks, every
         block but the last one whole (``rows`` equal to the first's)."""
-        n = len(slots)
         _, _, h, s, d = pool.shape
         f, la, b, r, sl = files[slots], layers[slots], blocks[slots], rows[slots], slots
-        cut = np.ones(n, dtype=bool)
-        if n > 1:
-            cut[1:] = (f[1:] != f[:-1]) | (la[1:] != la[:-1]) | (b[1:] != b[:-1] + 1) | (sl[1:] != sl[:-1] + 1) | (r[:-1] != s)
-        starts = np.flatnonzero(cut).tolist() + [n]
         payloads: list[torch.Tensor] = []
         runs: list[tuple[Hashable, list[int], Slab]] = []
-        for a, z in zip(starts[:-1], starts[1:]):
+        for a, z in _runs(sl, f, la, b, r, s):
             m = z - a
             total = int(r[a:z].sum())
             slab = torch.empty((2, h, total, d), dtype=pool.dtype, device=pool.device, pin_memory=self._pin)
@@ -88,12 +83,47 @@ class Slabs:
             runs.append((group, list(range(a, z)), Slab(int(b[a]), s, slab)))
         return payloads, runs
 
+    def regroup(
+        self, hits: list[tuple[int, torch.Tensor]], files: np.ndarray, layers: np.ndarray, blocks: np.ndarray,
+        keys: list[Hashable], slot_rows: int,
+    ) -> None:
+        """Runs of memory-tier hits ``(slot, block)`` (sorted by slot) whose blocks are in
+        no group (a slab dissolved, blocks read apart) become one slab each again: one
+        copy, payloads replaced under the tiers' lock (`TierManager.regroup`)."""
+        if not hits:
+            return
+        sl = np.fromiter((x for x, _ in hits), dtype=np.int64, count=len(hits))
+        r = np.fromiter((blk.shape[2] for _, blk in hits), dtype=np.int64, count=len(hits))
+        f, la, b = files[sl], layers[sl], blocks[sl]
+        bound = []
+        for a, z in _runs(sl, f, la, b, r, slot_rows):
+            if z - a < 2:
+                continue
+            group = (int(f[a]), KV, int(la[a]), int(b[a]))
+
+            def make(current: list[torch.Tensor], first: int = int(b[a])) -> tuple[list[torch.Tensor], Slab]:
+                slab = torch.cat(current, dim=2)
+                if self._pin and slab.device.type == "cpu":
+                    slab = slab.pin_memory()
+                views, at = [], 0
+                for blk in current:
+                    views.append(slab[:, :, at : at + blk.shape[2]])
+                    at += blk.shape[2]
+                return views, Slab(first, slot_rows, slab)
+
+            if self._tiers.regroup(group, [keys[int(x)] for x in sl[a:z]], make):
+                bound.append((group, z - a))
+        self._register(bound)
+
     def bind(self, runs: list[tuple[Hashable, list[int], Slab]], keys: list[Hashable], payloads: list[torch.Tensor]) -> None:
         """Bind each run whose blocks the tiers admitted as a group (`TierManager.bind_group`)."""
         bound = []
         for group, pos, slab in runs:
             if self._tiers.bind_group(group, [keys[i] for i in pos], [payloads[i] for i in pos], slab):
                 bound.append((group, len(pos)))
+        self._register(bound)
+
+    def _register(self, bound: list[tuple[Hashable, int]]) -> None:
         if not bound:
             return
         with self._lock:
@@ -105,27 +135,35 @@ class Slabs:
 
     def rows(
         self, file_id: int, layer: int, r0: int, n: int, chunk: int, share: float | None = 1.0
-    ) -> tuple[torch.Tensor, str, tuple[Hashable, ...], int] | None:
-        """Rows ``r0 .. r0 + n`` of a (file, layer) as one view of an intact slab, with
-        the tier it is in, the keys of its blocks used (counted as hits and accessed
-        with ``share``) and those blocks' rows, or ``None``."""
+    ) -> list[tuple[torch.Tensor, str, tuple[Hashable, ...], int]] | None:
+        """Rows ``r0 .. r0 + n`` of a (file, layer) as views of intact slabs that follow
+        each other (most often one), each with the tier it is in, the keys of its blocks
+        used (counted as hits and accessed with ``share``) and those blocks' rows; or
+        ``None`` (some block is in no slab)."""
         lo, hi = r0 // chunk, (r0 + n - 1) // chunk
         with self._lock:
             runs = self._index.get((file_id, layer))
-            found = None if runs is None else next(
-                ((first, cnt) for first, cnt in runs.items() if first <= lo and hi < first + cnt), None)
-        if found is None:
-            return None
-        first = found[0]
-        group = (file_id, KV, layer, first)
-        hit = self._tiers.group_hit(group, lo - first, hi - first + 1, share)
-        if hit is None:
-            self._forget(file_id, layer, first)
-            return None
-        slab, tier, keys = hit
-        start = r0 - first * chunk
-        block_rows = min((hi + 1) * chunk, first * chunk + slab.rows) - lo * chunk
-        return slab.tensor[:, :, start : start + n], tier, keys, block_rows
+            if runs is None:
+                return None
+            plan, at = [], lo
+            while at <= hi:
+                first = next((x for x, cnt in runs.items() if x <= at < x + cnt), None)
+                if first is None:
+                    return None
+                plan.append((first, at, min(hi, first + runs[first] - 1)))
+                at = plan[-1][2] + 1
+        out = []
+        for first, a, z in plan:
+            hit = self._tiers.group_hit((file_id, KV, layer, first), a - first, z - first + 1, share)
+            if hit is None:
+                self._forget(file_id, layer, first)
+                return None
+            slab, tier, keys = hit
+            start = max(r0, a * chunk) - first * chunk
+            stop = min(r0 + n, (z + 1) * chunk) - first * chunk
+            block_rows = min((z + 1) * chunk, first * chunk + slab.rows) - a * chunk
+            out.append((slab.tensor[:, :, start:stop], tier, keys, block_rows))
+        return out
 
     def _forget(self, file_id: int, layer: int, first: int) -> None:
         with self._lock:
@@ -144,3 +182,15 @@ class Slabs:
                 self._entries -= 1
             if not runs:
                 del self._index[(file_id, layer)]
+
+
+def _runs(slots: np.ndarray, files: np.ndarray, layers: np.ndarray, blocks: np.ndarray, rows: np.ndarray, whole: int) -> list[tuple[int, int]]:
+    """``[a, z)`` ranges of consecutive slots of one (file, layer) with consecutive blocks,
+    every block but the last ``whole`` rows long."""
+    n = len(slots)
+    cut = np.ones(n, dtype=bool)
+    if n > 1:
+        cut[1:] = (files[1:] != files[:-1]) | (layers[1:] != layers[:-1]) | (blocks[1:] != blocks[:-1] + 1) | (
+            slots[1:] != slots[:-1] + 1) | (rows[:-1] != whole)
+    starts = np.flatnonzero(cut).tolist() + [n]
+    return list(zip(starts[:-1], starts[1:]))

@@ -82,6 +82,28 @@ class TierGroups:
                 self._group_of[k] = group
             return True
 
+    def regroup(
+        self, group: Hashable, keys: Sequence[Hashable], make: Callable[[list[Any]], tuple[list[Any], Any]]
+    ) -> bool:
+        """Bind resident blocks that are in no group, all in one tier, as ``group``:
+        ``make(payloads)`` (called under the lock) gives their new payloads, with the
+        same contents and sizes, views of the returned data. False (nothing changed)
+        when some key is not resident, is in a group or the tiers differ."""
+        with self._lock:
+            entries = [self._where.get(k) for k in keys]
+            if not keys or any(e is None or e.key in self._group_of for e in entries):
+                return False
+            tiers = {e.tier for e in entries}  # type: ignore[union-attr]
+            if len(tiers) != 1 or group in self._groups:
+                return False
+            payloads, data = make([e.payload for e in entries])  # type: ignore[union-attr]
+            for e, p in zip(entries, payloads):
+                e.payload = p  # type: ignore[union-attr]
+            self._groups[group] = Group(tuple(keys), tiers.pop(), tuple(e.nbytes for e in entries), data)  # type: ignore[union-attr]
+            for k in keys:
+                self._group_of[k] = group
+            return True
+
     def group_hit(
         self, group: Hashable, lo: int, hi: int, share: float | None = None
     ) -> tuple[Any, str, tuple[Hashable, ...]] | None:
