@@ -194,8 +194,8 @@ class BlockIO:
         hits = []
         for file_id, chunk, r0, n in layout.parts():
             got = self.slabs.rows(file_id, layer, r0, n, chunk)
-            if got is None:
-                return None
+            if got is None:  # (segments served before count their hits twice: a rare race
+                return None  # with an eviction between two segments, statistics only)
             views.extend(g[0] for g in got)
             hits.extend(got)
         row_bytes = self._spec.kv_row_bytes
