@@ -5,7 +5,13 @@ memory").
 Both alternatives run in one process on the same stored prefix (held in the memory tier,
 as ttft.py's ``impress_1.0_memory``), alternating, ``--repeats`` times each, medians. With
 ``--profile`` the model thread's functions with the most own time are printed for each
-(cProfile: the loader thread is not in it, only what it costs the model).
+(cProfile: the loader thread is not in it, only what it costs the model). ``stages``
+times, in the main thread and outside any request, what each alternative does to have
+every layer's prefix rows in a buffer of its own: the deep copy of the DynamicCache, the
+per-block path (memory-tier lookups, one copy per block: `BlockIO.start_layout` and
+`LayerView.gather_into`) and the slab path (`BlockIO.resident_rows`, one copy per
+layer), medians of ``--repeats`` in milliseconds: the work that competes with the
+prefill, apart from the contention.
 
     python benchmarks/resident_contention.py --length 4096 --threads 1 2 --out results/resident-contention.json
 """
@@ -35,6 +41,8 @@ from ttft import MEMORY, QUESTION, TIERS_OFF  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
+from impress_cache.hf.loaders import prefix_buffer  # noqa: E402
+from impress_cache.storage.base import KV  # noqa: E402
 from impress_cache.tools import load_smollm2  # noqa: E402
 
 
@@ -42,6 +50,38 @@ def _top(prof: cProfile.Profile, n: int = 8) -> list[str]:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(n)
     return [line.strip() for line in out.getvalue().splitlines() if "{" in line or ".py:" in line][:n]
+
+
+def _stages(store: ImpressStore, prefix: list[int], dyn: Any, repeats: int) -> dict[str, float]:
+    """Milliseconds (medians) to get every layer's prefix rows into buffers of their own."""
+    lay = store.layout(store.match(prefix).segments)
+    layers, n = store.spec.num_layers, len(prefix)
+
+    def per_block() -> None:
+        for layer in range(layers):
+            view = lay.at(layer)
+            units = view.units_all()
+            blocks = store.start_layout(lay, KV, [layer], units, place_hits=False).result()
+            view.gather_into(units, blocks, prefix_buffer(store, 1, n, 1, False)[:, 0, :, :n])
+
+    def slabs() -> None:
+        for layer in range(layers):
+            parts = store.resident_rows(lay, layer)
+            assert parts is not None, "the prefix is not in slabs"
+            buf, at = prefix_buffer(store, 1, n, 1, False), 0
+            for part in parts:
+                buf[:, 0, :, at : at + part.shape[2]].copy_(part)
+                at += part.shape[2]
+
+    fns = {"deep_copy": lambda: copy.deepcopy(dyn), "per_block": per_block, "slabs": slabs}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - t0))
+        store.tiers.settle()
+    return {k: round(statistics.median(v), 2) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                     "median_s": med, "runs_s": times,
                     "ratio": med["impress_1.0_memory"] / med["dynamic_memory"],
                 }
+                run["stages_ms"] = _stages(store, prefix, dyn, args.repeats)
+                print(f"threads {n}: stages (ms) {run['stages_ms']}", flush=True)
                 if args.profile:
                     for name, fn in (("dynamic_memory", dynamic_memory), ("impress_1.0_memory", impress_memory)):
                         prof = cProfile.Profile()

@@ -155,13 +155,18 @@ class DenseLoader:
         first = self._reused - held
         return [torch.arange(max(first, pad), self._reused) - pad for pad in self._pads]
 
-    def _start(self, layer: int) -> tuple[int, list[_RowRead | None]] | None:
+    def _start(self, layer: int) -> tuple[int, list[_RowRead | list[torch.Tensor] | None]] | None:
         if self._held[layer] is None:
             return None
         positions = self._positions(layer)
-        return _start_reads(self._store, self._layouts, KV, layer, place_hits=False, positions=positions)
+        resident: list[list[torch.Tensor] | None] = [None] * len(self._layouts)
+        if positions is None:  # rows held in the memory tiers' slabs: views, no read
+            resident = [None if lay is None else self._store.resident_rows(lay, layer) for lay in self._layouts]
+        todo = [None if r is not None else lay for lay, r in zip(self._layouts, resident)]
+        _, reads = _start_reads(self._store, todo, KV, layer, place_hits=False, positions=positions)
+        return layer, [r if r is not None else read for r, read in zip(resident, reads)]
 
-    def _gather(self, started: tuple[int, list[_RowRead | None]] | None) -> torch.Tensor | None:
+    def _gather(self, started: tuple[int, list[_RowRead | list[torch.Tensor] | None]] | None) -> torch.Tensor | None:
         if started is None:
             return None
         layer, reads = started
@@ -172,6 +177,12 @@ class DenseLoader:
         buf = prefix_buffer(self._store, len(self._layouts), held, self._room, max(self._pads) > first)
         for i, row in enumerate(reads):
             if row is None:
+                continue
+            if isinstance(row, list):  # slab views: one copy each
+                at = self._pads[i]
+                for part in row:
+                    buf[:, i, :, at : at + part.shape[2]].copy_(part)
+                    at += part.shape[2]
                 continue
             view, units, read = row
             blocks = read.result()

@@ -36,6 +36,7 @@ from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
 from .catalog import Catalog
 from .layout import PrefixLayout
+from .slabs import Slabs
 
 #: where a block lookup was served from
 SOURCES = (DEVICE, HOST, "disk")
@@ -153,6 +154,8 @@ class BlockIO:
         self._pin_host = pin_host
         self._lock = threading.Lock()
         self.counters = IOCounters()
+        #: runs of K/V blocks admitted together, held contiguously (`slabs`)
+        self.slabs = Slabs(tiers, pin_host)
         #: ``fill(file_id, name, offsets, sizes)`` makes blocks of a file present before they
         #: are read, for files where ``fill.linked(name)`` (the remote tier's linked files,
         #: `RemoteFiles`); ``None``: every file is whole
@@ -180,6 +183,36 @@ class BlockIO:
                     linked = True
                     break
         return resident, linked
+
+    def resident_rows(self, layout: PrefixLayout, layer: int) -> list[torch.Tensor] | None:
+        """Every row of ``layer`` of an in-order ``layout`` as views of intact slabs (one
+        ``[2, kv_heads, rows, head_dim]`` view per segment, in order), accounted as memory
+        hits of their blocks, or ``None`` (some segment is not in one slab: read it)."""
+        if not self._tiers.enabled or not layout.in_order:
+            return None
+        views: list[torch.Tensor] = []
+        hits = []
+        for file_id, chunk, r0, n in layout.parts():
+            got = self.slabs.rows(file_id, layer, r0, n, chunk)
+            if got is None:  # (segments served before count their hits twice: a rare race
+                return None  # with an eviction between two segments, statistics only)
+            views.extend(g[0] for g in got)
+            hits.extend(got)
+        row_bytes = self._spec.kv_row_bytes
+        with self._lock:
+            c = self.counters
+            for _, tier, keys, rows in hits:
+                cell = c.served["kv"][tier]
+                cell[0] += len(keys)
+                cell[1] += rows * row_bytes
+                c.important_rows_needed += rows
+                if tier == DEVICE:
+                    c.important_rows_device += rows
+                else:
+                    c.important_rows_host += rows
+        for _, _, keys, _ in hits:
+            self._on_access(keys)
+        return views
 
     # -- entry points ----------------------------------------------------------------------
     def read(
@@ -300,6 +333,8 @@ class BlockIO:
                 [plan.keys[s] for s in todo], share_arr[todo].tolist(), plan.tier_nbytes[todo].tolist()
             )
             hits = [(s, hit[1]) for s, hit in zip(todo, found) if hit is not None]
+            if kind == KV and not place_hits:  # a dense layer: runs of hits in no slab become one
+                self.slabs.regroup(hits, s_files, s_layers, s_blocks, plan.keys, slot_rows)
             if not place_hits:  # blocks on the pool's device are used where they are
                 plan.held.update((slot, b) for slot, b in hits if b.device == plan.pool.device)
             self._place_many(plan.pool, kind, [(slot, b) for slot, b in hits if slot not in plan.held])
@@ -343,13 +378,18 @@ class BlockIO:
                 pool[s, :, :, :r] = raw.view(2, spec.num_kv_heads, r, spec.head_dim)
         if plan.keys is not None:
             if len(plan.disk):
+                disk = plan.disk.tolist()
+                if kind == KV:  # runs of a (file, layer) share one slab
+                    payloads, runs = self.slabs.form(pool, plan.disk, plan.files, plan.layers, plan.blocks, plan.rows)
+                else:
+                    payloads, runs = [self._owned(pool, kind, s, int(plan.rows[s])) for s in disk], []
+                keys = [plan.keys[s] for s in disk]
                 self._tiers.admit(
-                    [
-                        (plan.keys[s], self._owned(pool, kind, s, int(plan.rows[s])), int(plan.tier_nbytes[s]), float(plan.shares[s]))
-                        for s in plan.disk.tolist()
-                    ],
+                    [(k, p, int(plan.tier_nbytes[s]), float(plan.shares[s])) for k, p, s in zip(keys, payloads, disk)],
                     protect=plan.keys,
                 )
+                if runs:
+                    self.slabs.bind(runs, keys, payloads)
             self._on_access(k for s, k in enumerate(plan.keys) if plan.source.get(s) != "known")
         stats = self._account(plan, nbytes_disk)
         stats.seconds = time.perf_counter() - plan.t0

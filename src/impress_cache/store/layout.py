@@ -74,6 +74,11 @@ class PrefixLayout:
         self.in_order = all(p[5] is None for p in self._parts)
         self._views: dict[int, LayerView] = {}
 
+    def parts(self) -> list[tuple[int, int, int, int]]:
+        """``(file_id, chunk_tokens, first file row, rows)`` of each non-empty segment, in
+        order (in a file in prompt order, the rows of every layer)."""
+        return [(f, ct, r0, n) for f, ct, r0, n, _, _ in self._parts if n]
+
     def at(self, layer: int) -> LayerView:
         """Where every position of ``layer`` lives (one shared view when in order)."""
         key = -1 if self.in_order else layer

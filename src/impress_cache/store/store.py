@@ -364,6 +364,12 @@ class ImpressStore:
             layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits, inline=inline
         )
 
+    def resident_rows(self, layout: PrefixLayout, layer: int) -> list[torch.Tensor] | None:
+        """Every row of ``layer`` of a prefix as views of slabs held in the memory tiers,
+        or ``None``; see `BlockIO.resident_rows`."""
+        self._check_open()
+        return self._io.resident_rows(layout, layer)
+
     # -- writes ----------------------------------------------------------------------
     def put_async(
         self, tokens: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor], valid_from: int = 0, *,

@@ -30,7 +30,11 @@ def make_tiers(cfg: ImpressConfig, device: torch.device, clock: Any) -> TierMana
         host = t.to("cpu")
         return host.pin_memory() if pin and not host.is_pinned() else host
 
+    def own(t: torch.Tensor) -> torch.Tensor:  # a dissolved slab's block: storage of its own
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device, pin_memory=pin and t.device.type == "cpu")
+        return out.copy_(t)
+
     return TierManager(
         cfg.device_bytes, cfg.host_bytes, make_policy(cfg.policy, **policy_kwargs(cfg)), class_shares=cfg.tier_shares,
-        clock=clock, to_device=to_device, to_host=to_host, disk_to_device=True,
+        clock=clock, to_device=to_device, to_host=to_host, disk_to_device=True, own=own,
     )

@@ -46,7 +46,8 @@ from ..errors import ConfigError, TierError
 from ..validate import check_class_shares, check_int
 from .budget import TierSpace
 from .counters import TierCounters
-from .heaps import DEVICE, HOST, TIERS, Resident, TierHeaps
+from .groups import TierGroups
+from .heaps import DEVICE, HOST, Resident, TierHeaps
 from .policies.base import EvictionPolicy
 from .touchlog import MAX_PENDING, TouchLog
 from .view import TierView
@@ -61,7 +62,7 @@ def _identity(payload: Any) -> Any:
     return payload
 
 
-class TierManager(TierView):
+class TierManager(TierView, TierGroups):
     """Device and host caches of disk blocks with byte budgets and a policy.
 
     Parameters
@@ -85,6 +86,9 @@ class TierManager(TierView):
         behaviour); when false (default), it only enters the host tier and reaches the
         device through promotion on a later host hit, except when the host budget is
         0, in which case it competes for the device.
+    own:
+        A payload with storage of its own (for example a tensor's copy), given to the
+        members of a dissolved group (`groups`). Identity by default.
 
     Raises
     ------
@@ -102,6 +106,7 @@ class TierManager(TierView):
         to_device: Callable[[Any], Any] | None = None,
         to_host: Callable[[Any], Any] | None = None,
         disk_to_device: bool = False,
+        own: Callable[[Any], Any] | None = None,
     ) -> None:
         check_int("device_bytes", device_bytes, 0)
         check_int("host_bytes", host_bytes, 0)
@@ -118,6 +123,7 @@ class TierManager(TierView):
         self._to_device = to_device if to_device is not None else _identity
         self._to_host = to_host if to_host is not None else _identity
         self._disk_to_device = bool(disk_to_device)
+        self._init_groups(own if own is not None else _identity)
         #: the lock; entering it applies the accesses `lookup` recorded (see `TouchLog`)
         self._lock = TouchLog(self._touch)
         self._where: dict[Hashable, Resident] = {}
@@ -340,6 +346,8 @@ class TierManager(TierView):
         Returns the number removed from memory."""
         removed = 0
         with self._lock:
+            keys = list(keys)
+            self._release(keys)
             where, sizes, policy = self._where, self._sizes, self._policy
             for key in keys:
                 entry = where.get(key)
@@ -359,16 +367,6 @@ class TierManager(TierView):
             keys = {k for k in self._where if predicate(k)}
             keys.update(k for k in self._policy.keys() if predicate(k))
             return self.drop_many(keys)
-
-    def __repr__(self) -> str:
-        with self._lock:
-            parts = ", ".join(f"{t}={self._space.used[t]}/{self._space.budget[t]}B" for t in TIERS)
-            return f"TierManager({parts}, policy={self._policy.name})"
-
-    def stats(self) -> dict[str, Any]:
-        """Counters since construction or the last `reset_stats` (see `TierCounters.report`)."""
-        with self._lock:
-            return self._c.report(self._space)
 
     def reset_stats(self) -> None:
         """Zero every counter of `stats` (residency is unchanged)."""
@@ -450,6 +448,7 @@ class TierManager(TierView):
         self._heaps.push(entry, now)
 
     def _remove(self, entry: Resident) -> None:
+        self._ungroup(entry.key)
         del self._where[entry.key]
         self._space.remove(entry)
         self._heaps.count(entry, -1)
@@ -483,6 +482,8 @@ class TierManager(TierView):
             self._reposition(entry, now)
 
     def _evict_victims(self, tier: str, victims: list[Resident]) -> None:
+        if tier == HOST or self._space.budget[HOST] <= 0:  # they leave memory: no copies of them
+            self._release(v.key for v in victims)
         for victim in victims:
             self._remove(victim)
             self._c.evictions[tier] += 1
@@ -495,6 +496,7 @@ class TierManager(TierView):
         victims = self._plan(DEVICE, entry.nbytes, entry.cls, self._policy.sort_key(entry.key, now), now)
         if victims is None:
             return False
+        self._ungroup(entry.key)
         try:
             payload = self._to_device(entry.payload)
         except Exception:
@@ -526,7 +528,3 @@ class TierManager(TierView):
             self._c.demotions += 1
             self._c.bytes_demoted += victim.nbytes
 
-    def _check_invariants(self) -> None:
-        """Assert internal consistency (for tests); raises AssertionError."""
-        with self._lock:
-            self._space.check(self._heaps, self._where.values())

@@ -20,6 +20,13 @@ from typing import Any
 #: one access: key, important share, clock value
 Touch = tuple[Hashable, "float | None", float]
 
+
+class Bulk(tuple):  # type: ignore[type-arg]
+    """Accesses of several keys with one share at one clock value: ``(keys, share, now)``
+    (a group hit's, recorded with one entry)."""
+
+    __slots__ = ()
+
 #: recorded accesses beyond which a lookup applies them itself (bounded memory when
 #: nothing else enters the lock for a long time)
 MAX_PENDING = 1 << 16
@@ -31,7 +38,8 @@ class TouchLog:
     def __init__(self, apply: Callable[[Hashable, float | None, float], None]) -> None:
         self.raw = threading.RLock()
         self._apply = apply
-        self._pending: list[Touch] = []
+        self._pending: list[Touch | Bulk] = []
+        self._count = 0
 
     def __enter__(self) -> TouchLog:
         self.raw.acquire()
@@ -48,20 +56,42 @@ class TouchLog:
     def record(self, items: Sequence[Touch]) -> None:
         """Add accesses (the caller holds ``raw``)."""
         self._pending.extend(items)
+        self._count += len(items)
+
+    def record_bulk(self, keys: Sequence[Hashable], share: float | None, now: float) -> None:
+        """Add one access of each of ``keys`` (the caller holds ``raw``)."""
+        self._pending.append(Bulk((keys, share, now)))
+        self._count += len(keys)
 
     def drain(self) -> None:
         """Apply every recorded access in order (the caller holds ``raw``). If applying
         one raises, it and the ones after it stay recorded (the error propagates)."""
         while self._pending:
             batch, self._pending = self._pending, []
-            for i, (key, share, now) in enumerate(batch):
+            for i, item in enumerate(batch):
+                if type(item) is Bulk:
+                    keys, share, now = item
+                    for j, key in enumerate(keys):
+                        try:
+                            self._apply(key, share, now)
+                        except BaseException:
+                            self._pending = [Bulk((keys[j:], share, now)), *batch[i + 1 :], *self._pending]
+                            self._recount()
+                            raise
+                    continue
+                key, share, now = item
                 try:
                     self._apply(key, share, now)
                 except BaseException:
                     self._pending = batch[i:] + self._pending
+                    self._recount()
                     raise
+        self._count = 0
+
+    def _recount(self) -> None:
+        self._count = sum(len(it[0]) if type(it) is Bulk else 1 for it in self._pending)
 
     @property
     def pending(self) -> int:
         """Accesses recorded but not applied yet."""
-        return len(self._pending)
+        return self._count

@@ -23,6 +23,24 @@ class TierView:
     _lock: Any
     _where: dict[Hashable, Resident]
     _space: TierSpace
+    _c: Any
+    _heaps: Any
+    _policy: Any
+
+    def __repr__(self) -> str:
+        with self._lock:
+            parts = ", ".join(f"{t}={self._space.used[t]}/{self._space.budget[t]}B" for t in TIERS)
+            return f"TierManager({parts}, policy={self._policy.name})"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction or the last `reset_stats` (see `TierCounters.report`)."""
+        with self._lock:
+            return self._c.report(self._space)
+
+    def _check_invariants(self) -> None:
+        """Assert internal consistency (for tests); raises AssertionError."""
+        with self._lock:
+            self._space.check(self._heaps, self._where.values())
 
     @staticmethod
     def _check_tier(tier: str) -> str:
