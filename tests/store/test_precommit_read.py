@@ -269,3 +269,25 @@ def test_the_first_read_of_a_just_written_prompt_reads_no_block_table_from_the_i
             assert np.array_equal(kept.table.offsets, fresh.table.offsets)
             assert np.array_equal(kept.table.checksums, fresh.table.checksums)
             assert np.array_equal(kept.table.seeds, fresh.table.seeds)
+
+
+def test_written_block_tables_are_few_and_built_only_when_read(tmp_path, monkeypatch):
+    """A write keeps what it wrote for the last `WRITTEN_KEEP` files only, and builds no
+    table until a request asks (a store that writes many prompts and reads few keeps no
+    table per write); an older file's table is read from the index as before."""
+    import impress_cache.store.chunkfiles as chunkfiles
+
+    monkeypatch.setattr(chunkfiles, "WRITTEN_KEEP", 2)
+    toks = prompts(3, 4)
+    with ImpressStore(tmp_path, _model(), cfg()) as store:
+        files = store._catalog.files
+        for t in toks:
+            put(store, t)
+        store.flush()
+        assert files.ids() == [] and len(files._written) == 2
+        calls: list[int] = []
+        real = Index.block_table
+        monkeypatch.setattr(Index, "block_table", lambda self, fid: calls.append(fid) or real(self, fid))
+        for t in toks:
+            assert assert_reads_exact(store, t) == len(t)
+        assert len(calls) == 2 and not files._written  # the two oldest from the index

@@ -90,6 +90,7 @@ class Index(StatisticsTables, ChangeLogTable):
             if not read_only:
                 self._reader, self._read_lock = self._connect(path, False, file_mode), OrderedLock(INDEX_READ, "index reader")
                 self._reader.execute("PRAGMA query_only=1")
+                self._reader.execute("PRAGMA cache_size=-512")  # (KiB: small reads; SQLite's default is 2 MiB)
             self._seen_version = self.data_version()
         except BaseException as exc:
             for conn in {id(c): c for c in (self._conn, getattr(self, "_reader", self._conn))}.values():

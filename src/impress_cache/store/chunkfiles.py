@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from ..index.sqlite import Index
 from ..storage.reader import open_chunk_file
 from ..storage.base import BlockTable, context_digest, file_seed
 
+#: files whose block tables `OpenFiles` keeps from their writing until first read (`seed`)
+WRITTEN_KEEP = 64
 #: names the store gives its chunk files; anything else in the index is damage
 FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
 
@@ -92,6 +95,7 @@ class OpenFiles:
         self._lock, self._index, self._chunks, self._chunks_fd = lock, index, chunks, chunks_fd
         self._row_bytes, self._records = row_bytes, records
         self._open: dict[int, OpenFile] = {}
+        self._written: OrderedDict[int, NewFile] = OrderedDict()  # (`seed`)
 
     def ids(self) -> list[int]:
         with self._lock:
@@ -99,34 +103,39 @@ class OpenFiles:
 
     def get(self, file_id: int) -> OpenFile:
         """The block table of a file, checked against the store's naming rules
-        (`read_file`). A file that leaves the catalog's file table (``records()``) while
-        it is read is returned but not kept."""
+        (`read_file`), or built from what this process wrote if it is among the files
+        it wrote last (`seed`). A file that leaves the catalog's file table
+        (``records()``) while it is read is returned but not kept."""
         with self._lock:
             f = self._open.get(file_id)
             if f is not None:
                 return f
             known = self._records().get(file_id)
-        f = read_file(self._index, self._chunks, self._row_bytes, file_id, known)
+            written = self._written.pop(file_id, None)
+        if written is not None and known is not None and FILE_NAME.match(known.name):
+            arrays = (np.asarray(written.offsets, "<i8"), np.asarray(written.checksums, "<u4"))  # (as the index gives them)
+            perm = None if written.perm is None else np.asarray(written.perm, "<i4")
+            f = _open_file(known, arrays, perm, self._chunks, self._row_bytes)
+        else:
+            f = read_file(self._index, self._chunks, self._row_bytes, file_id, known)
         with self._lock:
             if known is not None and file_id not in self._records():
                 return f  # removed meanwhile: not kept (its `drop` has run or is due)
             return self._open.setdefault(file_id, f)
 
     def seed(self, file_id: int, new_file: NewFile) -> None:
-        """Keep the block table of a file this process just wrote and committed, from what
-        it wrote (`NewFile`), so that the first request for its prompt does not read it
-        back from the index (a read that may wait for another process's write or a
-        checkpoint). Nothing happens if the file is no longer in the file table."""
+        """Remember what this process wrote to a file it just committed (`NewFile`: its
+        block table and permutation), so that the first request for its prompt does not
+        read them back from the index (a read that may wait for another process's write
+        or a checkpoint). Only the last `WRITTEN_KEEP` written files are remembered, and
+        the table is built when first asked for (a write costs a dictionary insert)."""
         with self._lock:
-            record = self._records().get(file_id)
-            if record is None or file_id in self._open:
+            if file_id in self._open:
                 return
-        arrays = (np.asarray(new_file.offsets, "<i8"), np.asarray(new_file.checksums, "<u4"))  # (as the index gives them)
-        perm = None if new_file.perm is None else np.asarray(new_file.perm, "<i4")
-        f = _open_file(record, arrays, perm, self._chunks, self._row_bytes)
-        with self._lock:
-            if file_id in self._records():
-                self._open.setdefault(file_id, f)
+            self._written[file_id] = new_file
+            self._written.move_to_end(file_id)
+            while len(self._written) > WRITTEN_KEEP:
+                self._written.popitem(last=False)
 
     def fd(self, f: OpenFile) -> int | None:
         """A read-only descriptor of ``f``'s file (`open_chunk`), kept with ``f``; ``None``
@@ -148,6 +157,7 @@ class OpenFiles:
         gets no reused descriptor number from `fd`: ``None``)."""
         with self._lock:
             for fid in file_ids:
+                self._written.pop(fid, None)
                 f = self._open.pop(fid, None)
                 if f is not None and f.fd is not None:
                     os.close(f.fd)
