@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
-from helpers import assert_same_as_uncached, run
-from impress_cache import ImpressCache, ImpressConfig, ImpressStore
+from helpers import assert_same_as_uncached
+from impress_cache import ImpressConfig, ImpressStore
 from impress_cache.storage.base import KV
 from impress_cache.tiers import DEVICE, HOST
+from test_tiers_in_store import _reuse as _exact_reuse  # (a request reusing the store, checked exact)
 
 CT = 16
 BLOCK = 2 * 2 * CT * 16 * 4  # tiny llama: 2 KV heads, head_dim 16, float32
@@ -39,14 +40,6 @@ def _disk_rows(store: ImpressStore, lay, layer: int) -> torch.Tensor:
     units = view.units_all()
     k, v = view.gather(units, store.read_blocks(lay.keys(units, KV, layer)))
     return torch.stack([k, v])
-
-
-def _exact_reuse(model, store: ImpressStore, ids: torch.Tensor) -> ImpressCache:
-    ref, _ = run(model, ids, new_tokens=3)
-    cache = ImpressCache(store, ids, store_prompt=False)
-    out, _ = run(model, ids, cache=cache, new_tokens=3)
-    assert torch.equal(out, ref)
-    return cache
 
 
 def test_a_prefix_read_once_is_served_from_one_slab_per_layer_and_stays_exact(tmp_path, model):
