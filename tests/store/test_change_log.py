@@ -264,3 +264,33 @@ def test_nodes_another_process_removed_leave_this_process_s_statistics_and_evict
         assert not gone & values._queued
         assert not any(i in values._policy for i in gone)
         assert not gone & values.dirty
+
+
+def test_removals_seen_while_a_write_is_unsettled_are_forgotten_when_it_settles(tmp_path):
+    """Another process's removals applied while a write of this process is between its
+    COMMIT and its tree update (here: a handover held open) keep their statistics until
+    the write has handed its split's statistics on, then lose them (review of 2400354:
+    they were kept for ever)."""
+    from impress_cache.store.catalog import _Handover
+
+    mine = prompts(1, 6)
+    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=1 << 30)) as store:
+        for t in mine:
+            put(store, t)
+        for t in mine:
+            store.match(t)
+        store.enforce_disk_budget()
+        values, catalog = store._values, store._catalog
+        ids = {i for i in values._queued if i in values._policy}
+        hand = _Handover(catalog).__enter__()  # a write that let the lock go for its COMMIT
+        catalog._unsettled += 1
+        hand._went = True
+        catalog.lock.release()
+        hand._held = False
+        elsewhere(tmp_path, "store.config.disk_bytes = 1", "store.enforce_disk_budget()")
+        store.match(mine[0])  # a request follows the log meanwhile
+        gone = {i for i in ids if store.tree.get(i) is None}
+        assert gone and gone <= values._queued  # held back while the write is unsettled
+        hand.__exit__(None, None, None)
+        assert not gone & values._queued and not any(i in values._policy for i in gone)
+        assert not catalog._held_removed

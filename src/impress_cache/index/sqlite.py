@@ -425,15 +425,17 @@ class Index(StatisticsTables, ChangeLogTable):
             with gc_paused():
                 return self._load_tree()
         finally:
-            with self._lock:
-                self._conn.execute("PRAGMA shrink_memory")  # the pages the load read: not needed again
+            with self._reading() as conn:
+                conn.execute("PRAGMA shrink_memory")  # the pages the load read: not needed again
             release_free_heap()
 
     def _load_tree(self) -> tuple[RadixTree, FileTable]:
-        with self._lock, read_snapshot(self._conn):  # one snapshot of both tables (and the log's position)
-            seq = self._log_position(self._conn)
-            files = self._load_files()
-            cur = self._conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
+        # one snapshot of both tables (and the log's position), through the read connection:
+        # a reload under the catalog's lock does not wait for this process's writes
+        with self._reading() as conn, read_snapshot(conn):
+            seq = self._log_position(conn)
+            files = self._load_files(conn)
+            cur = conn.execute("SELECT id, parent, file_id, file_row, length, terminal FROM nodes")
             parts = [np.zeros((0, 6), np.int64)]
             while rows := cur.fetchmany(4096):
                 parts.append(np.array(rows, dtype=np.int64).reshape(-1, 6))
@@ -458,11 +460,11 @@ class Index(StatisticsTables, ChangeLogTable):
         tree.log_seq = seq
         return tree, files
 
-    def _load_files(self) -> FileTable:
-        """Every file row as a `FileTable` (under the lock, in a read transaction)."""
-        _, total = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM files").fetchone()
+    def _load_files(self, conn: sqlite3.Connection) -> FileTable:
+        """Every file row as a `FileTable` (in ``conn``'s read transaction)."""
+        _, total = conn.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM files").fetchone()
         builder = FileTable.Builder(total)
-        cur = self._conn.execute(f"SELECT {FILE_COLUMNS} FROM files ORDER BY id")
+        cur = conn.execute(f"SELECT {FILE_COLUMNS} FROM files ORDER BY id")
         while rows := cur.fetchmany(512):  # a chunk at a time: little transient memory
             builder.add_rows(rows)
         return builder.build()

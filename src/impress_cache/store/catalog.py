@@ -112,9 +112,12 @@ class _Handover:
         self.retake()
         try:
             if self._went:
-                self._went = False
-                self._catalog._unsettled -= 1
-                self._catalog._settled.notify_all()
+                self._went, cat = False, self._catalog
+                cat._unsettled -= 1
+                if not cat._unsettled and cat._held_removed:  # (removals `_follow` held back, after `_on_split`)
+                    held, cat._held_removed = cat._held_removed, []
+                    cat._on_leaves((), False, held)
+                cat._settled.notify_all()
         finally:
             self._held = False
             self._catalog.lock.release()
@@ -164,7 +167,7 @@ class Catalog:
         #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
         #: to the tree (`_Handover`), and statistics saves that hold the index without
         #: the lock (`aside`): `transaction` waits on ``_settled`` until there are none
-        self._unsettled = 0
+        self._unsettled, self._held_removed = 0, []  # (`_follow`)
         self._aside = 0
         self._settled = threading.Condition(self.lock)
         #: bytes of the index file, its shared-memory file and the directories, as last
@@ -273,8 +276,9 @@ class Catalog:
                 return
             self._log_seq = changes.seq
             self.log_applied += counted
-            # (not while a write of this process is between its COMMIT and its `follow`:
-            # the node its split replaced still gives the halves its statistics)
+            # removed nodes' statistics go, but not while a write of this process is between its COMMIT
+            # and `follow` (the node its split replaced gives the halves its statistics): `_Handover` does it
+            self._held_removed += applied.removed if self._unsettled else []
             self._on_leaves(applied.leaves, False, () if self._unsettled else applied.removed)
             self.forget({r.id for r in applied.dropped}, applied.dropped)
 
