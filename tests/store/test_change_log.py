@@ -14,6 +14,8 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -243,10 +245,10 @@ def test_random_changes_of_another_store_are_followed_exactly(tmp_path, monkeypa
             assert_reads_exact(mine, t)
 
 
-def test_nodes_another_process_removed_leave_this_process_s_statistics_and_eviction_order(tmp_path):
-    """The change log's removals reach the node statistics: a budgeted store keeps no
-    record, heap place or pending save for a node another process evicted (before, they
-    stayed until the heap popped them, and the records for ever)."""
+@contextmanager
+def _budgeted(tmp_path: Path) -> Iterator[tuple[ImpressStore, list[list[int]], set[int]]]:
+    """A store with a disk budget (so an eviction order), six prompts stored and read:
+    the store, the prompts and the ids of the leaves this process holds statistics of."""
     mine = prompts(1, 6)
     with ImpressStore(tmp_path, _model(), cfg(disk_bytes=1 << 30)) as store:
         for t in mine:
@@ -255,8 +257,17 @@ def test_nodes_another_process_removed_leave_this_process_s_statistics_and_evict
             store.match(t)
         store.enforce_disk_budget()  # (the eviction order starts with the first budget check)
         values = store._values
-        ids = {i for i in values._queued if i in values._policy}  # (the leaves this process read)
+        ids = {i for i in values._queued if i in values._policy}
         assert ids and values.ordering
+        yield store, mine, ids
+
+
+def test_nodes_another_process_removed_leave_this_process_s_statistics_and_eviction_order(tmp_path):
+    """The change log's removals reach the node statistics: a budgeted store keeps no
+    record, heap place or pending save for a node another process evicted (before, they
+    stayed until the heap popped them, and the records for ever)."""
+    with _budgeted(tmp_path) as (store, mine, ids):
+        values = store._values
         elsewhere(tmp_path, "store.config.disk_bytes = 1", "store.enforce_disk_budget()")
         store.match(mine[0])  # (follows the other process's commit through the log)
         gone = {i for i in ids if store.tree.get(i) is None}
@@ -273,15 +284,8 @@ def test_removals_seen_while_a_write_is_unsettled_are_forgotten_when_it_settles(
     they were kept for ever)."""
     from impress_cache.store.catalog import _Handover
 
-    mine = prompts(1, 6)
-    with ImpressStore(tmp_path, _model(), cfg(disk_bytes=1 << 30)) as store:
-        for t in mine:
-            put(store, t)
-        for t in mine:
-            store.match(t)
-        store.enforce_disk_budget()
+    with _budgeted(tmp_path) as (store, mine, ids):
         values, catalog = store._values, store._catalog
-        ids = {i for i in values._queued if i in values._policy}
         hand = _Handover(catalog).__enter__()  # a write that let the lock go for its COMMIT
         catalog._unsettled += 1
         hand._went = True
