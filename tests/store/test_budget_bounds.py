@@ -86,15 +86,20 @@ from test_budget import SYSTEMS, du, prompts
 pool = prompts({seed}, 30)
 if {shared}:
     pool = [SYSTEMS[0] + p[16:] for p in pool]
-largest = worst = 0
+from impress_cache.store.gc import wal_bound
+largest = worst = worst_wal_over = 0
 with ImpressStore({store!r}, _model(), cfg(disk_bytes={budget})) as store:
     for i in range({n}):
         before = store.stats()["bytes_written"]
         put(store, pool[(i * 7) % len(pool)])
         largest = max(largest, store.stats()["bytes_written"] - before)
-        worst = max(worst, du(Path({store!r})))
+        size = du(Path({store!r}))
+        # the WAL past its share of the budget, which the other process's commits grow
+        # between this process's checkpoints (a known excess: docs/tiers.md), counted apart
+        wal_over = max(0, store.index.footprint(main=False) - wal_bound({budget}))
+        worst, worst_wal_over = max(worst, size - wal_over), max(worst_wal_over, wal_over)
     failures = store.stats()["write_failures"]
-print(json.dumps({{"largest": largest, "worst": worst, "write_failures": failures}}))
+print(json.dumps({{"largest": largest, "worst": worst, "wal_over": worst_wal_over, "write_failures": failures}}))
 """
 
 
@@ -118,8 +123,10 @@ def _run_workers(path: Path, budget: int, n: int, shared: bool, procs: int = 2) 
 def test_two_processes_stay_within_budget_plus_the_largest_prompt(tmp_path):
     """Two processes write prompts of one pool into a store with a budget of a few
     prompts. After each of its writes, each process finds the directory within budget +
-    the largest prompt (the other process's file in flight is the one prompt over), and
-    after both closed the directory is within it too; a fresh process serves exactly."""
+    the largest prompt (the other process's file in flight is the one prompt over), not
+    counting the WAL past its share of the budget, which the other process's commits grow
+    between checkpoints (a known excess, bounded here by two prompts' worth); after both
+    closed the directory is within it too, WAL included; a fresh process serves exactly."""
     with ImpressStore(tmp_path, _model(), cfg()) as store:
         put(store, prompts(0, 1)[0])
         base, one = store.disk_bytes(), store._catalog.chunk_bytes
@@ -127,6 +134,7 @@ def test_two_processes_stay_within_budget_plus_the_largest_prompt(tmp_path):
     results = _run_workers(tmp_path, budget, 40, shared=False)
     largest = max(r["largest"] for r in results)
     assert max(r["worst"] for r in results) <= budget + largest, (results, budget)
+    assert max(r["wal_over"] for r in results) <= 2 * largest, (results, budget)
     assert du(tmp_path) <= budget + largest
     _nodes_inside_files(tmp_path)
     with ImpressStore(tmp_path, _model(), cfg()) as store:
