@@ -18,18 +18,18 @@ def test_checks_are_on_in_the_test_suite():
 
 
 def test_a_lock_taken_in_increasing_rank_works_and_the_reverse_raises():
-    catalog, stats, index = OrderedLock(CATALOG, "catalog"), OrderedLock(STATISTICS, "stats"), OrderedLock(INDEX, "index")
-    with catalog, index, stats:
-        assert index.locked()
-    with index:
-        with pytest.raises(LockOrderError, match="catalog .* while holding index"):
-            catalog.acquire()
+    index, stats, catalog = OrderedLock(INDEX, "index"), OrderedLock(STATISTICS, "stats"), OrderedLock(CATALOG, "catalog")
+    with index, catalog, stats:
+        assert catalog.locked()
+    with catalog:
+        with pytest.raises(LockOrderError, match="index .* while holding catalog"):
+            index.acquire()
     with stats:
         with pytest.raises(LockOrderError):
-            index.acquire()
-    assert not catalog.locked() and not index.locked()
-    with catalog:  # (the refused acquires left nothing held)
-        with index:
+            catalog.acquire()
+    assert not index.locked() and not catalog.locked()
+    with index:  # (the refused acquires left nothing held)
+        with catalog:
             pass
 
 
@@ -58,12 +58,12 @@ def test_equal_ranks_and_locks_of_other_threads_do_not_count():
 
 
 def test_a_reentrant_lock_is_taken_again_even_above_its_rank():
-    catalog, index = OrderedLock(CATALOG, "catalog"), OrderedLock(INDEX, "index")
-    with catalog:
-        with index:
-            with catalog:  # already held by this thread: no new order
-                assert catalog._count == 2
-    assert not catalog.locked()
+    index, catalog = OrderedLock(INDEX, "index"), OrderedLock(CATALOG, "catalog")
+    with index:
+        with catalog:
+            with index:  # already held by this thread: no new order
+                assert index._count == 2
+    assert not index.locked()
 
 
 def test_a_plain_lock_taken_twice_raises_instead_of_deadlocking():
@@ -74,8 +74,8 @@ def test_a_plain_lock_taken_twice_raises_instead_of_deadlocking():
 
 
 def test_a_condition_over_an_ordered_lock_waits_and_keeps_the_order():
-    catalog, index = OrderedLock(CATALOG, "catalog"), OrderedLock(INDEX, "index")
-    cond = threading.Condition(catalog)
+    index, catalog = OrderedLock(INDEX, "index"), OrderedLock(CATALOG, "catalog")
+    cond = threading.Condition(index)
     flag = []
 
     def later():
@@ -83,14 +83,14 @@ def test_a_condition_over_an_ordered_lock_waits_and_keeps_the_order():
             flag.append(1)
             cond.notify_all()
 
-    with catalog:
-        with catalog:  # (held twice: the wait lets both go)
+    with index:
+        with index:  # (held twice: the wait lets both go)
             threading.Thread(target=later).start()
             assert cond.wait_for(lambda: flag, timeout=10)
-            assert catalog._count == 2
-            with index:
+            assert index._count == 2
+            with catalog:
                 pass
-    assert not catalog.locked()
+    assert not index.locked()
 
 
 def test_without_the_variable_it_is_a_plain_lock(monkeypatch):

@@ -109,7 +109,7 @@ def test_a_failure_after_a_rewrite_commits_keeps_the_rewritten_file(tmp_path, mo
         put(store, toks)
         for _ in range(4):
             scatter(store, toks)
-        calls = _fail_once(monkeypatch, RadixTree, "replace")
+        calls = _fail_once(monkeypatch, RadixTree, "attach")
         reloads = _fail_once(monkeypatch, Catalog, "reload_tree", fail=reload_fails)
         assert store.reorganize(force=True)["rewritten"] == 1
         assert calls and reloads  # the failed tree update reloaded the tree (or tried to)

@@ -144,25 +144,3 @@ def test_drain_does_not_wait_for_files_to_gather(monkeypatch):
         assert gone == ["a", "b"]
     finally:
         unlinker.close()
-
-
-def test_the_check_after_a_write_does_not_look_at_the_index_again(tmp_path):
-    """The budget's check right after a write (``fresh``: the write's transaction looked at
-    other processes' commits under the write lock) does not refresh the tree, so it does
-    not take the catalog lock that requests need; a check called on its own does."""
-    with ImpressStore(tmp_path, _model(), cfg()) as store:
-        for toks in prompts(0, 4):
-            put(store, toks)
-        catalog = store._catalog
-        budget = 1 << 40  # (the WAL within its room too: the check is one stat)
-        before = catalog.refreshes
-        assert store._gc.enforce(budget, fresh=True)["removed_prefixes"] == 0
-        assert catalog.refreshes == before
-        store._gc.enforce(budget)
-        assert catalog.refreshes == before + 1
-        store.config.disk_bytes = store.disk_bytes()  # at the budget: every write removes what it adds
-        counted = []
-        enforce = store._gc.enforce
-        store._gc.enforce = lambda *a, **k: counted.append(k.get("fresh")) or enforce(*a, **k)
-        put(store, prompts(1, 1)[0])
-        assert counted == [True]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from impress_cache import ImpressStore
@@ -277,24 +278,53 @@ def test_nodes_another_process_removed_leave_this_process_s_statistics_and_evict
         assert not gone & values.dirty
 
 
-def test_removals_seen_while_a_write_is_unsettled_are_forgotten_when_it_settles(tmp_path):
-    """Another process's removals applied while a write of this process is between its
-    COMMIT and its tree update (here: a handover held open) keep their statistics until
-    the write has handed its split's statistics on, then lose them (review of 2400354:
-    they were kept for ever)."""
-    from impress_cache.store.catalog import _Handover
-
+def test_a_split_another_process_makes_hands_this_process_s_statistics_to_both_halves(tmp_path):
+    """Another process's write splits a leaf this process holds statistics of: when a
+    request here follows the log, both halves inherit them and the old node's go
+    (`Applied.successors`; before, the halves started from nothing in this process)."""
     with _budgeted(tmp_path) as (store, mine, ids):
-        values, catalog = store._values, store._catalog
-        hand = _Handover(catalog).__enter__()  # a write that let the lock go for its COMMIT
-        catalog._unsettled += 1
-        hand._went = True
-        catalog.lock.release()
-        hand._held = False
-        elsewhere(tmp_path, "store.config.disk_bytes = 1", "store.enforce_disk_budget()")
-        store.match(mine[0])  # a request follows the log meanwhile
-        gone = {i for i in ids if store.tree.get(i) is None}
-        assert gone and gone <= values._queued  # held back while the write is unsettled
-        hand.__exit__(None, None, None)
-        assert not gone & values._queued and not any(i in values._policy for i in gone)
-        assert not catalog._held_removed
+        values, tree = store._values, store._catalog.tree
+        leaf = store.match(mine[0]).segments[-1].node
+        assert leaf.id in ids
+        values._policy.load_stats(leaf.id, {**values._policy.stats_of(leaf.id), "count": 7})  # (as if read 7 times)
+        before = values._policy.stats_of(leaf.id)
+        cut = len(mine[0]) - leaf.length + leaf.length // 2
+        elsewhere(tmp_path, f"put(store, {mine[0][:cut] + list(range(5, 25))!r})")
+        halves = [seg.node for seg in store.match(mine[0]).segments[-2:]]
+        assert tree.get(leaf.id) is None and [h.length for h in halves] == [leaf.length // 2, leaf.length - leaf.length // 2]
+        assert leaf.id not in values._policy
+        for half in halves:
+            after = values._policy.stats_of(half.id)
+            assert (after["count"], after["last_access"]) == (7, before["last_access"]), half.id
+
+
+def test_successors_are_found_only_where_new_nodes_hold_the_old_node_s_tokens():
+    """`apply_changes` reports a removed node's successors: a rewrite (one new node of
+    its length, another file) and a split (two new nodes); a removal whose place a new,
+    different prompt takes has none."""
+    from impress_cache.index.changelog import ChangeSet, apply_changes
+    from impress_cache.index.files import FileTable
+    from impress_cache.index.radix import RadixTree
+
+    def case(rows, node_ids):
+        tree, records = RadixTree(), FileTable()
+        for rec in _records(3):
+            records[rec.id] = rec
+        tree.add_child(tree.root, [1, 2, 3, 4, 5, 6], 0, 0, 10)
+        changes = ChangeSet(seq=1, node_ids=set(node_ids), nodes=rows)
+        return apply_changes(tree, records, changes).successors
+
+    assert case([(11, 0, 1, 0, 6, 0)], [10, 11]) == [(10, (11,), 6)]  # rewritten into file 1
+    assert case([(11, 0, 0, 0, 2, 0), (12, 11, 0, 2, 4, 0)], [10, 11, 12]) == [(10, (11, 12), 2)]  # split at 2
+    assert case([(11, 0, 2, 0, 6, 0)], [10, 11]) == []  # file 2 holds other tokens
+    assert case([], [10]) == []  # only removed
+
+
+def _records(n):
+    from impress_cache.index.files import FileRecord
+
+    rows = {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5, 6], 2: [1, 2, 9, 9, 9, 9]}
+    return [
+        FileRecord(i, f"{i:032x}.safetensors", "safetensors", 0, 6, 16, 1, 0, 0, np.array(rows[i], np.int32), b"")
+        for i in range(n)
+    ]

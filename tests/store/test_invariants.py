@@ -413,6 +413,7 @@ def test_the_leftover_scan_keeps_a_leased_file_that_left_the_index_during_it(tmp
     import threading
 
     from impress_cache.store.leftovers import remove_leftovers
+    from test_commit_handover import _waiting
 
     p = prompts(17, 1)[0]
     longer = p + [3, 4, 5, 6, 7]
@@ -433,13 +434,19 @@ def test_the_leftover_scan_keeps_a_leased_file_that_left_the_index_during_it(tmp
 
         catalog = store._catalog
         out: list = []
+        quarantined: list = []
         with catalog.lock:  # the scan waits for this lock once it starts looking at the index
             t = threading.Thread(target=lambda: out.append(remove_leftovers(catalog, 0o600, deferred)), daemon=True)
             t.start()
             asked.wait(2.0)  # (the old scan reads the waiting files first, before it takes the lock)
-            assert store.quarantine(first, "a test")  # the tail's file leaves the index; leased, it waits
-        t.join(60)
-        assert out == [True]
+            # the tail's file leaves the index (leased, it waits): a quarantine whose transaction
+            # has begun and waits for this lock too (it plans under it)
+            q = threading.Thread(target=lambda: quarantined.append(store.quarantine(first, "a test")), daemon=True)
+            q.start()
+            _waiting()
+        for thread in (t, q):
+            thread.join(60)
+        assert out == [True] and quarantined == [True]
         assert (tmp_path / "chunks" / tail_name).exists()  # still there for the lease
         lease.release()
         store.flush()

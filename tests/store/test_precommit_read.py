@@ -2,12 +2,12 @@
 
 A write lets the catalog's lock go for its ``COMMIT`` and takes it again after. It used to
 read the index's change log then (`Catalog.catch_up`), with the catalog's lock held: a
-statistics save that entered `Catalog.aside` while the lock was let go, or a checkpoint on
-another thread, took the index as the ``COMMIT`` ended, and the write, holding the lock,
-waited for all of it, and every `match` with it. Now the write reads the log after its
+statistics save or a checkpoint on another thread that took the index as the ``COMMIT``
+ended held up the write, and every `match` with it. Now the write reads the log after its
 tree's position inside its transaction, right before the ``COMMIT`` (its own entries
 included; nobody else can commit then), and applies that after the ``COMMIT`` without
-touching the index (`_Handover.stage`, `_Handover.follow`).
+touching the index, still holding the index's write lock (`Catalog.transaction`), so a
+save or checkpoint takes the index only once the write is in the tree.
 
 The tests hold statements on the store's real SQLite connection (real files, real
 SQLite) to force the interleavings; they wait on events, never on time, and end by
@@ -112,27 +112,23 @@ def test_a_write_s_tree_update_does_not_wait_for_whoever_takes_the_index_after_i
             writer, failed = _in_thread(put, store, b)
             assert write.reached.wait(WAIT_S)  # the write is committing, without the catalog's lock
             taken, release = threading.Event(), threading.Event()
+            # the holder queues for the index behind the write
             if holder == "statistics save":
-                # as in the review: the save enters `aside` while the write's lock is let go,
-                # then queues for the index behind the write's COMMIT
                 holding, out = _in_thread(store.save_block_stats)
-                _until("the save entered aside", lambda: catalog._aside == 1)
-            with catalog.lock:  # the write, once committed, waits for this lock: the holder takes the index first
-                if holder == "checkpoint":
-                    holding, out = _in_thread(store.index.checkpoint)
-                elif holder == "index lock":
-                    holding, out = _in_thread(_keep_the_index, store.index, taken, release)
-                write.go.set()
-                assert (other.reached if other else taken).wait(WAIT_S)  # the holder has the index now
-            # the write, with the catalog's lock again, brings its commit into the tree
-            # without the index, and returns while the holder still has it
+            elif holder == "checkpoint":
+                holding, out = _in_thread(store.index.checkpoint)
+            else:
+                holding, out = _in_thread(_keep_the_index, store.index, taken, release)
+            assert _done_while_held(store.match, a).length == len(a)  # requests match meanwhile
+            write.go.set()
+            # the write brings its commit into the tree without the index and returns; the
+            # holder has the index only after that
             writer.join(WAIT_S)
             assert not writer.is_alive(), "the write waited for the index after its COMMIT"
             assert failed == [None]
+            assert (other.reached if other else taken).wait(WAIT_S)  # the holder has the index now
             assert holding.is_alive()  # (still holding the index)
             # a request on a third thread matches meanwhile; the tree has the prompt just written
-            # (a request for it reads its new file's block table from the index once, without
-            # the catalog's lock: that waits for the holder, as it did before this change)
             assert _done_while_held(store.match, a).length == len(a)
             assert _done_while_held(catalog.match, b).length == len(b)
             if other:
@@ -191,11 +187,11 @@ def test_a_failed_commit_applies_nothing(tmp_path):
         with held(store, fail):
             writer, failed = _in_thread(put, store, b)
             assert fail.reached.wait(WAIT_S)
-            staged = catalog._unsettled  # (the write let the lock go and read its set)
+            # its set is read, the COMMIT not done: requests match the tree as it was
+            assert _done_while_held(store.match, mine[0]).length == len(mine[0])
             fail.go.set()
             writer.join(WAIT_S)
             assert not writer.is_alive() and failed == [None]
-        assert staged == 1
         assert store.stats()["write_failures"] == 1
         assert tree_rows(store) == before and catalog._log_seq == seq
         assert_tree_is_the_index(store, tmp_path)
@@ -222,15 +218,16 @@ def test_a_write_whose_commit_another_thread_followed_meanwhile_applies_nothing_
         with held(store, write):
             writer, failed = _in_thread(put, store, b)
             assert write.reached.wait(WAIT_S)
+            seq = _log_position(tmp_path)
             with catalog.lock:
                 write.go.set()
-                with store.index._lock:  # (the COMMIT is done: the write waits for the catalog's lock)
-                    pass
+                # (the COMMIT is done: the log grew; the write waits for the catalog's lock)
+                _until("the write committed", lambda: _log_position(tmp_path) > seq)
                 t, out = _in_thread(put, other, c)  # another process commits after it
                 t.join(WAIT_S)
                 assert out == [None]
                 applied = store.stats()["log_applied"]
-                catalog.refresh(wait=False)  # a request's look: follows the log past both commits
+                catalog.refresh()  # a request's look: follows the log past both commits
                 assert store.stats()["log_applied"] == applied + 1
                 assert catalog._log_seq == _log_position(tmp_path)
                 assert catalog.tree.match(b).length == len(b) and catalog.tree.match(c).length == len(c)

@@ -140,9 +140,10 @@ def test_a_failed_read_of_the_saved_statistics_is_tried_again(tmp_path, monkeypa
     go = _hold_writer(monkeypatch)
     store = ImpressStore(tmp_path, _model(), cfg(policy="lfu", half_life_s=None))
     try:
-        conn = store.index._conn
+        conns = (store.index._conn, store.index._reader)  # (the reads go through the read connection)
         tables = {"node_stats", "node_importance"}
-        conn.set_authorizer(lambda action, table, *_: sqlite3.SQLITE_DENY if table in tables else sqlite3.SQLITE_OK)
+        for conn in conns:
+            conn.set_authorizer(lambda action, table, *_: sqlite3.SQLITE_DENY if table in tables else sqlite3.SQLITE_OK)
         with caplog.at_level(logging.WARNING, logger="impress_cache"):
             first = min(saved)
             store._values.sort_key(first)
@@ -150,12 +151,14 @@ def test_a_failed_read_of_the_saved_statistics_is_tried_again(tmp_path, monkeypa
         assert store._values.saved.pending and store._importance.saved.pending
         assert first not in store._values._policy
         assert len([r for r in caplog.records if "trying again" in r.getMessage()]) == 2
-        conn.set_authorizer(None)
+        for conn in conns:
+            conn.set_authorizer(None)
         assert _installed(store, saved) == saved  # the next call read them
         assert store._importance.get(node).requests == importance.requests
         assert not store._values.saved.pending and not store._importance.saved.pending
     finally:
         store.index._conn.set_authorizer(None)
+        store.index._reader.set_authorizer(None)
         go.set()
         store.close()
 
@@ -185,7 +188,7 @@ def test_a_thread_inside_an_index_transaction_triggers_the_read_while_the_writer
     inside, proceed, got = threading.Event(), threading.Event(), {}
 
     def in_transaction():
-        with store._catalog.lock, store.index.transaction():
+        with store.index.transaction(), store._catalog.lock:
             inside.set()
             proceed.wait(60)
             got.update(_installed(store, saved))
@@ -248,7 +251,7 @@ def test_a_failed_read_inside_an_index_transaction_is_raised(tmp_path):
         index, seen = store.index, {}
         load = DeferredLoad("test statistics", threading.Lock(), lambda data: None)
         load.defer(lambda: (_ for _ in ()).throw(StoreIOError("disk I/O error")), store._catalog.lock, index.in_transaction)
-        with store._catalog.lock, index.transaction():
+        with index.transaction(), store._catalog.lock:
             other = threading.Thread(target=lambda: seen.update(other=index.in_transaction()))
             other.start()
             other.join(60)

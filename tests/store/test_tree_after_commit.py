@@ -271,7 +271,7 @@ def test_a_quarantine_during_a_writes_eviction_commit(tmp_path):
             writer, failed = _in_thread(put, store, b)
             assert held.reached.wait(WAIT_S)
             quarantine, out = _in_thread(store.quarantine, fid, "a test")
-            _waiting(store)
+            _waiting()
             assert _done_while_held(store.match, a).length == len(a)
             held.go.set()
             for t in (writer, quarantine):

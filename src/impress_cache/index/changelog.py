@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .files import FileRecord, FileTable
 from .radix import RadixNode, RadixTree, as_tokens
 
@@ -46,6 +48,9 @@ class Applied:
     leaves: list[int] = field(default_factory=list)
     #: ids of nodes that left the index (not those rewritten under the same id)
     removed: list[int] = field(default_factory=list)
+    #: removed nodes whose rows now live in new nodes: ``(old id, new ids, k)``, the two
+    #: halves of a split after ``k`` rows, or one node (a rewrite, ``k`` its length)
+    successors: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
     added_nodes: int = 0
     removed_nodes: int = 0
 
@@ -60,6 +65,8 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
     rows = {row[0]: row for row in changes.nodes}
     pending: list[tuple[RadixNode | None, tuple]] = []  # (node to move, or None for a new one; its row)
     gone: list[RadixNode] = []
+    removed: list[tuple[RadixNode, int]] = []  # (gone, no row under its id; its parent's id)
+    new_ids: set[int] = set()
     for nid in sorted(changes.node_ids):
         node, row = tree.get(nid), rows.get(nid)
         if node is None:
@@ -72,6 +79,7 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
                 pending.append((None, row))
             else:
                 out.removed.append(nid)
+                removed.append((node, node.parent.id if node.parent is not None else -1))
             continue
         node.terminal = row[5]
         if node.parent is None or node.parent.id != row[1]:
@@ -106,6 +114,7 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
                     raise ValueError(f"node {row[0]} points outside file {row[2]}")
                 node = RadixNode(row[0], as_tokens(rec.tokens[row[3] : row[3] + row[4]]), row[2], row[3], parent, row[5])
                 out.added_nodes += 1
+                new_ids.add(node.id)
             tree.attach(parent, node)
             if not node.children:
                 out.leaves.append(node.id)
@@ -117,6 +126,30 @@ def apply_changes(tree: RadixTree, records: FileTable, changes: ChangeSet) -> Ap
             rec = records.pop(fid, None)
             if rec is not None:
                 out.dropped.append(rec)
+    out.successors = _successors(tree, removed, new_ids)
     leaves = dict.fromkeys(out.leaves)
     out.leaves = [i for i in leaves if (n := tree.get(i)) is not None and n.parent is not None and not n.children]
+    return out
+
+
+def _successors(
+    tree: RadixTree, removed: list[tuple[RadixNode, int]], new_ids: set[int]
+) -> list[tuple[int, tuple[int, ...], int]]:
+    """Removed nodes whose tokens new nodes of the same change set now hold, in the
+    same place of the tree: one node of the same length (a rewrite), or an upper half
+    and its child (a split)."""
+    out = []
+    for node, parent_id in removed:
+        parent = tree.get(parent_id)
+        n = node.length
+        head = parent.children.get(int(node.tokens[0])) if parent is not None and n else None
+        k = head.length if head is not None else 0
+        if head is None or head.id not in new_ids or k > n or not np.array_equal(head.tokens, node.tokens[:k]):
+            continue
+        if k == n:
+            out.append((node.id, (head.id,), n))
+            continue
+        tail = head.children.get(int(node.tokens[k]))
+        if tail is not None and tail.id in new_ids and np.array_equal(tail.tokens, node.tokens[k:]):
+            out.append((node.id, (head.id, tail.id), k))
     return out

@@ -8,9 +8,10 @@ while this thread holds one of a higher rank raises `LockOrderError` (and taking
 non-reentrant lock twice raises too, where it would deadlock). Without it, `OrderedLock`
 returns a plain `threading.RLock` (or `threading.Lock`): no cost at all.
 
-The ranks: `CATALOG` (the tree, the file table, the open files; every tree-changing
-index transaction begins under it) < `INDEX` (the SQLite connection: held for a
-statement or a transaction) < `INDEX_READ` (the index's read connection, for the reads
+The ranks: `INDEX` (the SQLite write connection: held for a statement or a
+transaction, and by a catalog transaction until the tree follows its ``COMMIT``) <
+`CATALOG` (the tree, the file table, the open files: a write transaction takes it after
+``BEGIN`` to plan, lets it go for the ``COMMIT`` and takes it again to apply) < `INDEX_READ` (the index's read connection, for the reads
 requests make: held for one read) < `STATISTICS` (the node values and importance statistics:
 a transaction's removals update them; their deferred load reads the index before it
 takes them, `saved.DeferredLoad`) < `LEAF` (locks under which nothing else is taken:
@@ -23,8 +24,8 @@ import os
 import threading
 from typing import Any
 
-CATALOG = 10
-INDEX = 20
+INDEX = 10
+CATALOG = 15
 INDEX_READ = 22
 STATISTICS = 25
 LEAF = 40

@@ -60,7 +60,8 @@ class Index(StatisticsTables, ChangeLogTable):
             self._conn = self._connect(path, read_only, file_mode)
         except (sqlite3.Error, UnicodeDecodeError) as exc:  # (damaged schema text may fail to decode)
             raise index_error(path, exc) from exc
-        self._lock = OrderedLock(INDEX, "index")
+        # (read-only: the one connection only reads, taken like the read connection)
+        self._lock = OrderedLock(INDEX_READ if read_only else INDEX, "index")
         self._in_transaction = False
         self._tx_thread = 0
         #: write transactions since this process last trimmed the change log (``None``:
@@ -152,6 +153,12 @@ class Index(StatisticsTables, ChangeLogTable):
             yield self._conn if self.in_transaction() else self._reader
 
     # -- transactions ----------------------------------------------------------------
+    def writing(self) -> Any:
+        """The write connection's lock (rank `INDEX`, reentrant), for a caller that keeps
+        this process's other writers out past a `transaction`'s ``COMMIT``
+        (`Catalog.transaction`: until the tree follows it)."""
+        return self._lock
+
     def in_transaction(self) -> bool:
         """Whether the calling thread is inside `transaction` (the index's lock is
         reentrant: no other thread runs one meanwhile)."""

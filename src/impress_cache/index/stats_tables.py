@@ -39,6 +39,7 @@ class StatisticsTables:
 
     _conn: sqlite3.Connection
     _lock: Any
+    _reading: Any
     transaction: Any
 
     def save_statistics(
@@ -96,8 +97,8 @@ class StatisticsTables:
     def load_block_stats(self) -> list[tuple[BlockKey, dict[str, Any]]]:
         """Every saved block statistic whose file is still in the index (``count``,
         ``freq``, ``share``, ``age_s``, ``seq`` and ``saved_at``, wall-clock seconds)."""
-        with self._lock:
-            rows = self._conn.execute(
+        with self._reading() as conn:
+            rows = conn.execute(
                 "SELECT s.file_id, s.kind, s.layer, s.block, s.count, s.freq, s.share, s.age_s, s.seq, s.saved_at "
                 "FROM block_stats s JOIN files f ON f.id = s.file_id"
             ).fetchall()
@@ -115,8 +116,8 @@ class StatisticsTables:
         """Saved per-node importance: ``node -> (scores float16, requests, pending, saved_at)``
         (``scores`` None where the saved bytes are not ``layers x`` the node's length
         float16 values: the store skips that row, not all)."""
-        with self._lock:
-            rows = self._conn.execute(
+        with self._reading() as conn:
+            rows = conn.execute(
                 "SELECT i.node_id, i.layers, n.length, i.scores, i.requests, i.pending, i.saved_at FROM node_importance i "
                 "JOIN nodes n ON n.id = i.node_id"  # (a lookup per row: no temporary table of every node id)
             ).fetchall()
@@ -131,16 +132,16 @@ class StatisticsTables:
         freq, share, age_s, seq, saved_at`` (wall-clock seconds), copied a chunk at a time
         into `scratch` arrays sized up front (unmapped once the caller drops them)."""
         # rows of plain values (no garbage cycles to look for); the count and the rows of one snapshot
-        with self._lock, gc_paused():
-            with read_snapshot(self._conn):
-                (n,) = self._conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
+        with self._reading() as conn, gc_paused():
+            with read_snapshot(conn):
+                (n,) = conn.execute("SELECT COUNT(*) FROM node_stats").fetchone()
                 ids, data, k, block = scratch(n, np.int64), scratch((6, n), np.float64), 0, None
-                cur = self._conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
+                cur = conn.execute("SELECT node_id, count, freq, share, age_s, seq, saved_at FROM node_stats ORDER BY node_id")
                 while rows := cur.fetchmany(256):  # (small: rows are Python objects; freed pools stay resident)
                     block = float_rows(rows)  # (a value that is not a number: NaN, skipped by the store)
                     ids[k : k + len(rows)], data[:, k : k + len(rows)] = block[:, 0], block[:, 1:].T
                     k += len(rows)
-            self._conn.execute("PRAGMA shrink_memory")
+            conn.execute("PRAGMA shrink_memory")
         del rows, block
         release_free_heap()
         return ids, data.T

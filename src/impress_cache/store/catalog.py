@@ -1,8 +1,10 @@
 """The store's metadata room: the radix tree, the SQLite index and the open-file table.
 
-Everything here runs under one lock (`Catalog.lock`), which the rest of the store takes
-only for a few index operations at a time. The tree in memory mirrors the index and
-changes only after the index transaction that records the change has committed. When
+The tree, the file table and the open files change under one lock (`Catalog.lock`),
+which the rest of the store takes only for a few operations at a time. The tree in
+memory mirrors the index and changes only after the index transaction that records the
+change has committed: every write is one `Catalog.transaction` (the index's write lock,
+then this lock to plan; the lock let go for the ``COMMIT``; taken again to apply). When
 another process commits to the index, `refresh` applies what the index's change log
 says changed (`index.changelog`; the whole tree is reloaded only when the log cannot
 tell) and forgets what this process knew about files that are gone (``on_forget`` lets
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from ..index.changelog import ChangeSet, apply_changes
-from ..index.radix import InsertPlan, Match, RadixNode, RadixTree, as_tokens
+from ..index.radix import Match, RadixNode, RadixTree, as_tokens
 from ..index.locks import CATALOG, OrderedLock
 from ..index.files import FileRecord, FileTable, NewFile
 from ..index.sqlite import Index
@@ -54,73 +55,23 @@ def _later(ids: Callable[[], list[int]]) -> Iterator[int]:
     yield from ids()
 
 
-class _Handover:
-    """The catalog's lock around a write: held from ``with`` on; `stage`, right before
-    the transaction's ``COMMIT`` (which waits for the disk, while requests need the lock
-    to match), marks the tree unsettled, releases the lock and reads the change set the
-    commit brings (inside the transaction); `retake` takes the lock again; `follow`
-    applies that set to the tree; the end of the ``with`` marks the tree settled
-    (`Catalog.transaction` waits for that) and releases the lock. Whoever takes the lock
-    meanwhile sees the tree as it was before the write: neither the leaves its
-    transaction removes nor its new prompt."""
+class Tx:
+    """One write transaction of the catalog (`Catalog.transaction`): its connection, and
+    what to run under the catalog's lock once it has committed and the tree follows it
+    (`after`), or once it has rolled back (`undo`)."""
 
-    def __init__(self, catalog: Catalog) -> None:
-        self._catalog = catalog
-        self._held = self._went = False
-        #: the tree's log position and the change log after it, read inside the transaction
-        self.staged: tuple[int | None, ChangeSet | None] = (None, None)
+    __slots__ = ("conn", "_after", "_undo")
 
-    def __enter__(self) -> _Handover:
-        self._catalog.lock.acquire()
-        self._held = True
-        return self
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._after: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []
 
-    def stage(self, conn: Any) -> None:
-        """Last inside the write transaction ``conn``: let the lock go and read what the
-        change log holds after the tree's position, this transaction's entries included
-        (`Index.changes_since` with ``conn``); a set a failed ``COMMIT`` discards unused."""
-        cat = self._catalog
-        start = cat._log_seq  # (under the lock; no thread moves it before the COMMIT)
-        if self._held:
-            cat._unsettled += 1
-            self._went = True
-            cat.lock.release()
-            self._held = False
-        self.staged = (start, cat.index.changes_since(start, conn=conn))
+    def after(self, fn: Callable[[], None]) -> None:
+        self._after.append(fn)
 
-    def retake(self) -> None:
-        if not self._held:
-            self._catalog.lock.acquire()
-            self._held = True
-
-    def follow(self) -> None:
-        """After the ``COMMIT``, under the lock: the tree becomes what the index held right
-        before it (the `staged` set), without a look at the index, which a statistics
-        save or a checkpoint of another thread may hold by now. Nothing to do when another
-        thread followed the log past this commit meanwhile; the index is read only when
-        the log could not tell (the tree is reloaded) or the tree is stale."""
-        cat = self._catalog
-        start, pending = self.staged
-        if cat.stale:
-            cat.reload_tree()
-        elif pending is not None and cat._log_seq == start:
-            cat._follow(pending, counted=False)
-        elif pending is None or cat._log_seq is None or cat._log_seq < pending.seq:
-            cat.catch_up(counted=False)
-
-    def __exit__(self, *exc: object) -> None:
-        self.retake()
-        try:
-            if self._went:
-                self._went, cat = False, self._catalog
-                cat._unsettled -= 1
-                if not cat._unsettled and cat._held_removed:  # (removals `_follow` held back, after `_on_split`)
-                    held, cat._held_removed = cat._held_removed, []
-                    cat._on_leaves((), False, held)
-                cat._settled.notify_all()
-        finally:
-            self._held = False
-            self._catalog.lock.release()
+    def undo(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
 
 
 def _dir_blocks(path: Path) -> int:
@@ -139,7 +90,7 @@ class Catalog:
         index: Index,
         row_bytes: tuple[int, int],
         on_forget: Callable[[set[int], dict[int, FileRecord]], None],
-        on_split: Callable[[int, tuple[int, int], int], None] = lambda old, new, k: None,
+        on_split: Callable[[int, tuple[int, ...], int], None] = lambda old, new, k: None,
         on_leaves: Callable[[Iterable[int], bool, Iterable[int]], None] = lambda ids, reset, removed: None,
     ) -> None:
         self.root = root
@@ -164,12 +115,6 @@ class Catalog:
         self._log_seq: int | None = None
         #: the tree may not follow the index (a reload after a failure failed too)
         self._stale = False
-        #: writes that let the lock go for their ``COMMIT`` and have not yet applied it
-        #: to the tree (`_Handover`), and statistics saves that hold the index without
-        #: the lock (`aside`): `transaction` waits on ``_settled`` until there are none
-        self._unsettled, self._held_removed = 0, []  # (`_follow`)
-        self._aside = 0
-        self._settled = threading.Condition(self.lock)
         #: bytes of the index file, its shared-memory file and the directories, as last
         #: measured (`disk_bytes`), and how often they were used since
         self._fixed: int | None = None
@@ -220,16 +165,14 @@ class Catalog:
         not wait for this process's writer or checkpoint (a change committed meanwhile
         is seen by the next match, as one committed just after this one would be)."""
         with self.lock:
-            self.refresh(wait=False)
+            self.refresh()
             return self.tree.match(tokens, limit)
 
-    def refresh(self, wait: bool = True) -> None:
-        """Follow the index if it changed (`Index.changed_elsewhere`): `catch_up`, or a
-        reload of a tree left stale. ``wait``: first wait until writes that let the lock
-        go for their ``COMMIT`` have applied it (not for a request's look)."""
+    def refresh(self) -> None:
+        """Follow the index if it changed (`Index.changed_elsewhere`, through the read
+        connection: never a wait for this process's writes): `catch_up`, or a reload of
+        a tree left stale."""
         with self.lock:
-            if wait and not self.index.in_transaction():  # (inside one, nothing is unsettled)
-                self._settled.wait_for(self._clear)
             self.refreshes += 1
             if self._stale:
                 self.reload_tree()
@@ -262,7 +205,9 @@ class Catalog:
 
     def _follow(self, changes: ChangeSet, counted: bool) -> None:
         """Apply a change set read from the log after the tree's position (`_catch_up`,
-        or a write's own, read before its ``COMMIT``: `_Handover.follow`)."""
+        or a write's own, read before its ``COMMIT``: `transaction`). A node the set
+        shows split in two or rewritten (`Applied.successors`) hands its statistics
+        to its successors (``on_split``) before removed nodes' statistics go, whichever thread applies it."""
         with self.lock:
             if not changes:
                 self._log_seq = changes.seq
@@ -276,42 +221,68 @@ class Catalog:
                 return
             self._log_seq = changes.seq
             self.log_applied += counted
-            # removed nodes' statistics go, but not while a write of this process is between its COMMIT
-            # and `follow` (the node its split replaced gives the halves its statistics): `_Handover` does it
-            self._held_removed += applied.removed if self._unsettled else []
-            self._on_leaves(applied.leaves, False, () if self._unsettled else applied.removed)
+            for old, new_ids, k in applied.successors:
+                self._on_split(old, new_ids, k)
+            self._on_leaves(applied.leaves, False, applied.removed)
             self.forget({r.id for r in applied.dropped}, applied.dropped)
 
-    def _clear(self) -> bool:
-        return not self._unsettled and not self._aside
-
     @contextmanager
-    def transaction(self, durable: bool = True) -> Iterator[Any]:
-        """An index transaction (`Index.transaction`) that plans from a tree that follows
-        the index. The caller holds the catalog's lock. A write that let it go for its
-        ``COMMIT`` is waited for until it has applied that to the tree, and a statistics
-        save until it is done (`aside`); the wait lets the lock go, so requests match
-        meanwhile. Then the tree is refreshed under the write lock (nobody commits
-        between that and this transaction's commit)."""
-        self._settled.wait_for(self._clear)
-        with self.index.transaction(durable) as conn:
-            self.refresh()
-            yield conn
+    def transaction(self, durable: bool = True) -> Iterator[Tx]:
+        """A write transaction planned from a tree that follows the index, and the tree
+        brought in line with it after its ``COMMIT``.
 
-    @contextmanager
-    def aside(self) -> Iterator[None]:
-        """Around a transaction that holds the index without the catalog's lock (a
-        statistics save, which must take nothing that waits for that lock): a
-        `transaction` that begins meanwhile waits for it without the lock, instead of
-        waiting for the index with it, which would hold up requests."""
-        with self.lock:
-            self._aside += 1
-        try:
-            yield
-        finally:
+        Taken without the catalog's lock (the lock order: the index's write lock, rank
+        `INDEX`, before the catalog's, `CATALOG`; enforced). In order: the index's write
+        lock (no other thread of this process writes until this one's changes are in the
+        tree), ``BEGIN IMMEDIATE`` (no other process commits), the catalog's lock and a
+        `refresh`; the body plans from the tree and writes through ``tx.conn`` (the tree
+        itself is not changed); the change log after the tree's position is read inside
+        the transaction (this commit's entries; nobody else can commit now); the
+        catalog's lock is let go for the ``COMMIT``, which waits for the disk (requests
+        match the tree as it was meanwhile); then, with it taken again, the tree follows
+        that change set without a look at the index, and ``tx.after`` callbacks run.
+
+        An exception before the ``COMMIT`` has returned rolls back, leaves the tree
+        untouched and runs ``tx.undo`` callbacks. A failure after it (the tree update, a
+        callback) never undoes the commit: `after_commit_failed` logs and counts it and
+        reloads the tree."""
+        with self.index.writing():
+            tx: Tx | None = None
+            try:
+                with self.index.transaction(durable) as conn:
+                    with self.lock:
+                        self.refresh()
+                        tx = Tx(conn)
+                        yield tx
+                        start = self._log_seq
+                        pending = self.index.changes_since(start, conn=conn)
+            except BaseException:
+                if tx is not None and tx._undo:
+                    with self.lock:
+                        for fn in tx._undo:
+                            fn()
+                raise
             with self.lock:
-                self._aside -= 1
-                self._settled.notify_all()
+                try:
+                    self._take_committed(start, pending)
+                    for fn in tx._after:
+                        fn()
+                except BaseException as exc:
+                    self.after_commit_failed("the tree update after a committed transaction", exc)
+                    if not isinstance(exc, Exception):
+                        raise
+
+    def _take_committed(self, start: int | None, pending: ChangeSet | None) -> None:
+        """After a ``COMMIT``, under the lock: the tree becomes what the index held right
+        before it (``pending``, the log after ``start`` as read inside the transaction).
+        Nothing to do when another thread followed the log past this commit meanwhile;
+        the index is read only when the log could not tell or the tree is stale."""
+        if self._stale:
+            self.reload_tree()
+        elif pending is not None and self._log_seq == start:
+            self._follow(pending, counted=False)
+        elif pending is None or self._log_seq is None or self._log_seq < pending.seq:
+            self.catch_up(counted=False)
 
     #: whether the tree may not follow the index (the next `refresh` reloads it)
     stale = property(lambda self: self._stale)
@@ -346,51 +317,30 @@ class Catalog:
         that would point a node outside an indexed file: `IndexRefusedError`, nothing
         committed.
 
-        The tree and the file table change only once the transaction has committed: they
-        take the change log after their position as read inside the transaction, right
-        before its ``COMMIT`` (this commit, the budget's removals with it; nobody else can
-        commit then): applied after the ``COMMIT`` without a look at the index, which
-        another thread may hold by then (`_Handover.follow`). An exception means nothing
+        The tree and the file table change only once the transaction has committed
+        (`transaction`: the change log read right before the ``COMMIT``, this commit and
+        the budget's removals with it, is applied after it). An exception means nothing
         was committed and the tree was not touched. Once the transaction has committed, a
         step after it that fails (the tree update, the removals' bookkeeping) is
         logged and counted, and the tree is reloaded from the index (`after_commit_failed`):
         the prompt stays stored.
         """
         arr = as_tokens(tokens)
-        removal: list = []
-        with _Handover(self) as hand:
-            try:
-                try:
-                    staged = self._index_prompt(arr, matched, new_file, budget, removal, hand.stage)
-                finally:
-                    hand.retake()
-            except BaseException:
-                if removal and removal[0] is not None:  # planned for a transaction that did not commit
-                    removal[0].abandon()
-                raise
-            if staged is None:
+        with self.transaction() as tx:
+            planned = self._index_prompt(tx.conn, arr, matched, new_file, budget)
+            if planned is None:
                 return None
-            # committed: from here on a failure never undoes the commit
-            plan, ids, file_id = staged
+            file_id, leaf_id, removal = planned
+            if removal is not None:  # (the budget's removals: settled after the new leaf, they may be below it)
+                tx.after(removal.settle)
+                tx.undo(removal.abandon)
+        if removal is not None:
             try:
-                hand.follow()  # (the change set read before the COMMIT: no look at the index)
-                leaf = self.tree.get(ids["leaf"])
-                halves = (ids["upper"], ids["lower"]) if plan.split is not None else ()
-                if halves and all(self.tree.get(h) is not None for h in halves):
-                    self._on_split(plan.split[0].id, halves, plan.split[1])  # (their statistics)
-                if removal and removal[0] is not None:
-                    removal[0].settle()  # (the budget's removals, after the new leaf: they may be below it)
-            except BaseException as exc:
-                self.after_commit_failed("a stored prompt's tree update", exc)
-                leaf = self.tree.get(ids["leaf"])
-                if not isinstance(exc, Exception):
-                    raise
-        if removal and removal[0] is not None:
-            try:
-                removal[0].release()
+                removal.release()
             except Exception as exc:  # noqa: BLE001 - the removed files stay as orphans
                 self.after_commit_failed("unlinking files the disk budget removed", exc, reload=False)
-        return file_id, leaf
+        with self.lock:
+            return file_id, self.tree.get(leaf_id)
 
     def after_commit_failed(self, step: str, exc: BaseException, reload: bool = True) -> None:
         """A step after a committed transaction failed: log and count it and bring the
@@ -407,41 +357,36 @@ class Catalog:
             log.warning("reloading the tree failed as well (retried at the next look at the index): %r", again)
 
     def _index_prompt(
-        self, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None, removal: list,
-        before_commit: Callable[[Any], None],
-    ) -> tuple[InsertPlan, dict[str, int], int] | None:
-        """`commit_prompt`'s transaction; returns its plan, the new node ids and the new
-        file's id (``None``: nothing to commit). ``before_commit(conn)`` runs last inside
-        the transaction, right before its ``COMMIT``."""
-        ids: dict[str, int] = {}
-        with self.transaction() as conn:
-            now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
-            if now_m == len(arr):
-                return None  # stored meanwhile by another writer: nothing is missing
-            if now_m < matched:
-                log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
-                return None  # part of the prefix this file extends was removed meanwhile
-            file_id = self.index.add_file(conn, new_file)
-            plan = self.tree.plan_insert(arr, file_id, now_m - matched, as_tokens(new_file.tokens))
-            parent_id = plan.parent.id
-            if plan.split is not None:  # (children moved before their old parent goes: schema.INVARIANTS)
-                old, k = plan.split
-                assert old.parent is not None
-                ids["upper"] = self.index.add_node(conn, old.parent.id, old.file_id, old.file_row, k, 0)
-                ids["lower"] = self.index.add_node(
-                    conn, ids["upper"], old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal
-                )
-                self.index.reparent(conn, old.id, ids["lower"])
-                self.index.delete_node(conn, old.id)
-                parent_id = ids["upper"]
-            assert plan.leaf is not None  # (the prompt is longer than its match)
-            leaf_tokens, _, row = plan.leaf
-            ids["leaf"] = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
-            if budget is not None and self.evictor is not None:
-                keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
-                removal.append(self.evictor(conn, budget, int(new_file.file_bytes), keep))
-            before_commit(conn)
-        return plan, ids, file_id
+        self, conn: Any, arr: np.ndarray, matched: int, new_file: NewFile, budget: int | None
+    ) -> tuple[int, int, Any] | None:
+        """`commit_prompt`'s statements inside ``conn``'s transaction; returns the new
+        file's id, the new leaf's id and the budget's removal (or ``None``), or ``None``
+        when there is nothing to commit."""
+        now_m = self.tree.match(arr).length  # what the index holds now, under its write lock
+        if now_m == len(arr):
+            return None  # stored meanwhile by another writer: nothing is missing
+        if now_m < matched:
+            log.warning("prefix changed while writing; dropping a %d-token write", len(arr) - matched)
+            return None  # part of the prefix this file extends was removed meanwhile
+        file_id = self.index.add_file(conn, new_file)
+        plan = self.tree.plan_insert(arr, file_id, now_m - matched, as_tokens(new_file.tokens))
+        parent_id = plan.parent.id
+        if plan.split is not None:  # (children moved before their old parent goes: schema.INVARIANTS)
+            old, k = plan.split
+            assert old.parent is not None
+            upper = self.index.add_node(conn, old.parent.id, old.file_id, old.file_row, k, 0)
+            lower = self.index.add_node(conn, upper, old.file_id, old.file_row + k, len(old.tokens) - k, old.terminal)
+            self.index.reparent(conn, old.id, lower)
+            self.index.delete_node(conn, old.id)
+            parent_id = upper  # (its statistics go to both halves when the tree follows: `_follow`)
+        assert plan.leaf is not None  # (the prompt is longer than its match)
+        leaf_tokens, _, row = plan.leaf
+        leaf_id = self.index.add_node(conn, parent_id, file_id, row, len(leaf_tokens), 1)
+        removal = None
+        if budget is not None and self.evictor is not None:
+            keep = {plan.parent.id} | ({plan.split[0].id} if plan.split is not None else set())
+            removal = self.evictor(conn, budget, int(new_file.file_bytes), keep)
+        return file_id, leaf_id, removal
 
     def replace_node(
         self, node: RadixNode, new_file: NewFile
@@ -456,43 +401,29 @@ class Catalog:
         tree update after the commit is handled as in `commit_prompt` (the new node is
         then the reloaded tree's, or ``None`` if that reload failed too and waits for the
         next refresh; the dropped files are still returned)."""
-        with self.lock:
-            staged = self._index_replacement(node, new_file)  # (an exception: the tree was not touched)
+        with self.transaction() as tx:
+            staged = self._index_replacement(tx.conn, node, new_file)
             if staged is None:
                 return None
-            node, new_id, file_id, record, changes = staged
-            dropped = changes.dropped
-            try:
-                self._add_record(record)
-                self.apply(changes)
-                new = self.tree.replace(node, new_id, file_id, 0)
-            except BaseException as exc:
-                self.after_commit_failed("a rewritten node's tree update", exc)
-                if not isinstance(exc, Exception):
-                    raise
-                new = self.tree.get(new_id)  # None while the tree waits for its reload
-            return file_id, new, dropped
+        new_id, file_id, dropped = staged
+        with self.lock:
+            return file_id, self.tree.get(new_id), dropped
 
-    def _index_replacement(
-        self, node: RadixNode, new_file: NewFile
-    ) -> tuple[RadixNode, int, int, FileRecord, TreeChanges] | None:
-        with self.transaction() as conn:
-            current = self.tree.get(node.id)
-            if (
-                current is None or current.parent is None or current.file_id != node.file_id
-                or current.file_row != node.file_row or len(current.tokens) != len(node.tokens)
-            ):
-                return None
-            node = current  # the same node, perhaps reloaded from the index
-            file_id = self.index.add_file(conn, new_file)
-            new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
-            self.index.reparent(conn, node.id, new_id)
-            self.index.delete_node(conn, node.id)
-            changes = TreeChanges()  # (only the old file can go; ``node`` itself is replaced, not removed)
-            changes.drop_file_if_unreferenced(self, conn, node.file_id)
-            record = self.index.file(file_id)
-        assert record is not None
-        return node, new_id, file_id, record, changes
+    def _index_replacement(self, conn: Any, node: RadixNode, new_file: NewFile) -> tuple[int, int, list[FileRecord]] | None:
+        current = self.tree.get(node.id)
+        if (
+            current is None or current.parent is None or current.file_id != node.file_id
+            or current.file_row != node.file_row or len(current.tokens) != len(node.tokens)
+        ):
+            return None
+        node = current  # the same node, perhaps reloaded from the index
+        file_id = self.index.add_file(conn, new_file)
+        new_id = self.index.add_node(conn, node.parent.id, file_id, 0, len(node.tokens), node.terminal)
+        self.index.reparent(conn, node.id, new_id)
+        self.index.delete_node(conn, node.id)
+        changes = TreeChanges()  # (only the old file can go; ``node`` itself is replaced, not removed)
+        changes.drop_file_if_unreferenced(self, conn, node.file_id)
+        return new_id, file_id, changes.dropped
 
     def apply(self, changes: TreeChanges) -> None:
         """The tree and the file table after a committed transaction that deleted the
@@ -536,7 +467,7 @@ class Catalog:
         processes' commits for all of them that, like `match`'s, does not wait for this
         process's writer: this process's removals are known at once, before they commit)."""
         with self.lock:
-            self.refresh(wait=False)
+            self.refresh()
             return all(fid in self.records for fid in file_ids)
 
     def disk_bytes(self, wal: int | None = None) -> int:

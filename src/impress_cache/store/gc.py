@@ -71,29 +71,25 @@ class StoreGC:
         if catalog.index.read_only:
             self._forget_in_memory(file_id, reason)
             return True
-        with catalog.lock:
-            changes = TreeChanges()
-            with catalog.transaction() as conn:
-                for node in self._dependents(file_id):
-                    changes.remove_leaf(catalog, conn, node)
-                removed = [node.id for node in changes.removed]
-                record = catalog.records.get(file_id) or catalog.index.file(file_id)
-                dropped = changes.drop_unreferenced_files(catalog, conn)
-            try:  # committed
-                catalog.apply(changes)
-            except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
-                catalog.after_commit_failed("a quarantine's tree update", exc)
-            self._values.forget(removed)
-            for rec in dropped:
-                if rec.id != file_id:
-                    self._leases.defer_unlink(rec.id, rec.name)
-            catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
-            if record is None and not removed:
-                log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
-                return False
-            if record is not None and FILE_NAME.match(record.name):
-                move_aside(catalog, record.name, self._file_mode)
-            self.counters.quarantined_files += 1
+        changes = TreeChanges()
+        with catalog.transaction() as tx:
+            for node in self._dependents(file_id):
+                changes.remove_leaf(catalog, tx.conn, node)
+            record = catalog.records.get(file_id) or catalog.index.file(file_id)
+            dropped = changes.drop_unreferenced_files(catalog, tx.conn)
+        # committed, and the tree follows it
+        removed = [node.id for node in changes.removed]
+        self._values.forget(removed)
+        for rec in dropped:
+            if rec.id != file_id:
+                self._leases.defer_unlink(rec.id, rec.name)
+        catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
+        if record is None and not removed:
+            log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
+            return False
+        if record is not None and FILE_NAME.match(record.name):
+            move_aside(catalog, record.name, self._file_mode)
+        self.counters.quarantined_files += 1
         log.warning(
             "quarantined chunk file %s (%s); removed %d node(s) that depended on it",
             record.name if record else file_id, reason, len(removed),
@@ -129,7 +125,7 @@ class StoreGC:
 
     # -- disk budget -----------------------------------------------------------------
     def enforce(
-        self, budget: int | None, protect: Iterable[int] = (), fresh: bool = False, written: int | None = None
+        self, budget: int | None, protect: Iterable[int] = (), written: int | None = None
     ) -> dict[str, int]:
         """Remove the least valuable stored prefixes until the store fits ``budget``.
 
@@ -150,9 +146,8 @@ class StoreGC:
         statements (a leaf, its file if no other node needs it); up to `BATCH` of them
         share one index transaction, and the catalog lock is released between
         transactions. A write at the budget usually made its room already, in its own
-        transaction (`evict_within`): then this call is a ``stat`` of the WAL (``fresh``: the
-        caller's write transaction has just looked at other processes' commits, under the
-        write lock, so the check does not take the catalog lock to look again). Chunk files no node references any more
+        transaction (`evict_within`): then this call is a look at other processes' commits
+        (`Catalog.refresh`) and a ``stat`` of the WAL. Chunk files no node references any more
         are deleted after the commit (a file shared with nodes that stay is kept: its
         bytes are freed once its last node goes). The cost of a call is proportional to
         what it removes and to the candidates it skips, not to the size of the store.
@@ -164,8 +159,7 @@ class StoreGC:
         protected = set(protect) | ({written} if written is not None else set())
         self._start_order()
         bound = wal_bound(budget)
-        if not fresh or catalog.stale:  # (a tree left stale by a failed reload is reloaded now)
-            catalog.refresh()
+        catalog.refresh()
         wal = catalog.index.wal_bytes()
         size = catalog.disk_bytes(wal)
         if wal <= bound and size + bound - wal <= budget:  # (usually: the write's own removals did it)
@@ -200,8 +194,7 @@ class StoreGC:
             used = self._used(bound)  # a stat, outside the lock requests take
             if used <= budget:
                 return False
-            with catalog.lock:
-                removal, stuck = self._evict_batch(budget, bound, protected)
+            removal, stuck = self._evict_batch(budget, bound, protected)
             removal.release()  # (unlinks and counts)
             result["removed_prefixes"] += len(removal.victims)
             result["removed_files"] += len(removal.dropped)
@@ -253,28 +246,19 @@ class StoreGC:
         return removal
 
     def _evict_batch(self, budget: int, wal_room: int, protected: set[int]) -> tuple[Removal, bool]:
-        """Up to `BATCH` removals in one index transaction (under the catalog lock), for
-        what the store takes as measured inside that transaction. Returns them, settled
-        (`Removal.release` is the caller's, outside the lock), and whether it ran out of
-        candidates. The tree changes only once the transaction has committed."""
-        catalog = self._catalog
-        removal: Removal | None = None
-        try:
-            # durable before its files are unlinked (a removal a power cut undid would
-            # leave rows whose file is gone); refreshed under the write lock: what other
-            # processes removed or added since the caller's look counts, and a leaf
-            # another process extended meanwhile is seen to have children
-            with catalog.transaction() as conn:
-                used = self._used(wal_room)
-                removal, exhausted = self._remove_leaves(conn, budget, used, protected)
-        except BaseException:
-            if removal is not None:
-                removal.abandon()
-            raise
-        try:
-            removal.settle()
-        except Exception as exc:  # noqa: BLE001 - committed: the tree follows the index
-            catalog.after_commit_failed("the disk budget's bookkeeping", exc)
+        """Up to `BATCH` removals in one index transaction, for what the store takes as
+        measured inside that transaction. Returns them, settled (`Removal.release` is
+        the caller's, outside the lock), and whether it ran out of candidates. The tree
+        changes only once the transaction has committed."""
+        # durable before its files are unlinked (a removal a power cut undid would
+        # leave rows whose file is gone); refreshed under the write lock: what other
+        # processes removed or added since the caller's look counts, and a leaf
+        # another process extended meanwhile is seen to have children
+        with self._catalog.transaction() as tx:
+            used = self._used(wal_room)
+            removal, exhausted = self._remove_leaves(tx.conn, budget, used, protected)
+            tx.after(removal.settle)
+            tx.undo(removal.abandon)
         return removal, exhausted
 
     def _remove_leaves(self, conn: object, budget: int, used: int, protected: set[int]) -> tuple[Removal, bool]:

@@ -16,8 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any
 
 import numpy as np
 
@@ -80,7 +79,6 @@ class StatsKeeper:
         background: Callable[[Callable[[], Any]], None],
         importance: ImportanceStats | None = None,
         guard: Any = None,
-        aside: Callable[[], ContextManager[None]] = nullcontext,
     ) -> None:
         self._index = index
         self._tiers = tiers
@@ -88,9 +86,6 @@ class StatsKeeper:
         self._importance = importance
         #: held around reading the deferred node statistics (the catalog's lock)
         self._guard = guard if guard is not None else threading.RLock()
-        #: around the save's transaction, which holds the index but not the guard
-        #: (`Catalog.aside`: the catalog's transactions wait for it without their lock)
-        self._aside = aside
         self._interval = interval_s
         self._background = background
         self._lock = OrderedLock(LEAF, "dirty blocks", reentrant=False)
@@ -128,8 +123,7 @@ class StatsKeeper:
         try:
             blocks = self._tiers.export_stats(dirty) if dirty else {}
             saved_at = time.time()
-            with self._aside():
-                return self._index.save_statistics(saved_at, nodes, importance, blocks)[2]
+            return self._index.save_statistics(saved_at, nodes, importance, blocks)[2]
         except BaseException:
             # nothing is lost: what was to be saved stays marked for the next save (a
             # part that was written meanwhile is written again, harmlessly)

@@ -166,7 +166,7 @@ class ImpressStore:
         )
         self._stats = StatsKeeper(
             index, self.tiers, self._values, None if self.read_only else cfg.stats_interval_s, self._writer.background,
-            self._importance, self._catalog.lock, self._catalog.aside,
+            self._importance, self._catalog.lock,
         )
         self._remote = NoRemote() if cfg.remote is None or model is None or self.read_only else RemoteTier(  # shared tier
             self._catalog, cfg, self.spec, self.probe, row_bytes, lambda f, b, leaf: self._written(f, b, leaf, False))
@@ -398,14 +398,14 @@ class ImpressStore:
                     self.tiers.seed((file_id, KV, layer, b), 1.0)
         if self.config.disk_bytes is not None:
             try:
-                self._gc.enforce(self.config.disk_bytes, fresh=True, written=None if leaf is None else leaf.id)
+                self._gc.enforce(self.config.disk_bytes, written=None if leaf is None else leaf.id)
                 self._leases.unlinker.drain(report=False)  # what it evicted is gone when the write returns
             except Exception:
                 log.exception("enforcing the disk budget failed; the store may stay over disk_bytes")
         self._remote.push(leaf if push else None)  # upload what this host wrote
 
-    def _split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
-        """A node was split after ``k`` rows: both halves inherit its statistics."""
+    def _split(self, old_id: int, new_ids: tuple[int, ...], k: int) -> None:
+        """A node's rows now live in ``new_ids`` (halves split at ``k``, or a rewrite): they inherit its statistics."""
         self._values.inherit(old_id, new_ids)
         self._importance.split(old_id, new_ids, k)
 

@@ -119,28 +119,19 @@ class ImportanceStats:
                 e.pending = 0
                 self.dirty.add(node_id)
 
-    def split(self, old_id: int, new_ids: tuple[int, int], k: int) -> None:
-        """A node was split after ``k`` rows: its halves take their columns."""
+    def split(self, old_id: int, new_ids: tuple[int, ...], k: int) -> None:
+        """A node's rows now live in ``new_ids``: two halves split after ``k`` rows take
+        their columns; one node (its rows rewritten) takes them all."""
         self._ensure()
         with self._lock:
             e = self._nodes.pop(old_id, None)
             self.dirty.discard(old_id)
             if e is None:
                 return
-            upper, lower = new_ids
-            for node_id, cols in ((upper, e.scores[:, :k]), (lower, e.scores[:, k:])):
+            parts = (e.scores[:, :k], e.scores[:, k:]) if len(new_ids) == 2 else (e.scores,)
+            for node_id, cols in zip(new_ids, parts):
                 self._nodes[node_id] = NodeImportance(cols.copy(), e.requests, e.pending, e.at)
                 self.dirty.add(node_id)
-
-    def move(self, old_id: int, new_id: int) -> None:
-        """A node was replaced by one holding the same rows (a rewrite)."""
-        self._ensure()
-        with self._lock:
-            e = self._nodes.pop(old_id, None)
-            self.dirty.discard(old_id)
-            if e is not None:
-                self._nodes[new_id] = e
-                self.dirty.add(new_id)
 
     def forget(self, node_ids: Iterable[int]) -> None:
         self._ensure()

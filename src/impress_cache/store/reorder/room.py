@@ -152,9 +152,8 @@ class Reordering:
             self._leases.defer_unlink(rec.id, rec.name, before=forget)
         if new is None:  # the tree did not follow the commit yet (`Catalog.replace_node`)
             return
-        self.importance.move(old.id, new.id)
+        # (its statistics moved to ``new`` when the tree followed the commit: `Catalog._follow`)
         self.importance.settle(new.id)
-        self._values.inherit(old.id, [new.id])
         if self._tiers.enabled:
             shares = block_shares(order, self._config.sparse_ratio, self._config.chunk_tokens)
             for layer in range(shares.shape[0]):
