@@ -146,8 +146,9 @@ class StoreGC:
         statements (a leaf, its file if no other node needs it); up to `BATCH` of them
         share one index transaction, and the catalog lock is released between
         transactions. A write at the budget usually made its room already, in its own
-        transaction (`evict_within`): then this call is a look at other processes' commits
-        (`Catalog.refresh`) and a ``stat`` of the WAL. Chunk files no node references any more
+        transaction (`evict_within`): then this call is a ``stat`` of the WAL (called for a
+        write, ``written``, it does not look at other processes' commits first: the write's
+        transaction just did, and every batch of removals looks again). Chunk files no node references any more
         are deleted after the commit (a file shared with nodes that stay is kept: its
         bytes are freed once its last node goes). The cost of a call is proportional to
         what it removes and to the candidates it skips, not to the size of the store.
@@ -159,7 +160,8 @@ class StoreGC:
         protected = set(protect) | ({written} if written is not None else set())
         self._start_order()
         bound = wal_bound(budget)
-        catalog.refresh()
+        if written is None:  # (right after a write, its transaction has just followed the index)
+            catalog.refresh()
         wal = catalog.index.wal_bytes()
         size = catalog.disk_bytes(wal)
         if wal <= bound and size + bound - wal <= budget:  # (usually: the write's own removals did it)
