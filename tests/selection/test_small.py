@@ -1,0 +1,134 @@
+"""The host-side bookkeeping (`selection.small`) chooses exactly what the torch code it
+replaced chose: the references below are that code, kept here as it was."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import torch
+from hypothesis import given, settings
+
+from impress_cache.selection.bounds import units_taken
+from impress_cache.selection.scores import _sanitize_scores, select_units, top_jaccard
+
+
+def _rank(primary: torch.Tensor) -> torch.Tensor:
+    return torch.sort(primary, dim=-1, descending=True, stable=True).indices
+
+
+def reference_units_taken(scores, unit_of, unit_count, k):
+    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    order = torch.sort(s, descending=True, stable=True).indices
+    covered = torch.cumsum(unit_count[order], dim=0)
+    n_take = min(int((covered < k).sum()) + 1, order.numel())
+    chosen = torch.zeros(s.shape[0], dtype=torch.bool)
+    chosen[order[:n_take]] = True
+    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
+    if rows.numel() > k:
+        per_row = (s / unit_count.clamp(min=1).to(torch.float64))[unit_of[rows]]
+        rows = torch.sort(rows[torch.sort(per_row, descending=True, stable=True).indices[:k]]).values
+        units = torch.unique(unit_of[rows])
+    else:
+        units = torch.nonzero(chosen & (unit_count > 0)).squeeze(1)
+    return rows, units.tolist()
+
+
+def reference_select_units(scores, unit_of, k):
+    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    n_units = int(unit_of.max()) + 1
+    sums = torch.zeros(n_units, dtype=torch.float64).scatter_add_(0, unit_of, s)
+    sizes = torch.bincount(unit_of, minlength=n_units)
+    order = _rank(sums)
+    covered = torch.cumsum(sizes[order], dim=0)
+    n_take = int((covered < k).sum()) + 1
+    chosen = torch.zeros(n_units, dtype=torch.bool)
+    chosen[order[:n_take]] = True
+    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
+    if rows.numel() > k:
+        rows = rows[_rank(s[rows])[:k]]
+    return torch.sort(rows).values
+
+
+def reference_top_jaccard(scores, k):
+    h, _ = scores.shape
+    if h <= 1:
+        return 1.0
+    s = _sanitize_scores(scores)
+    top = [set(r) for r in torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k].tolist()]
+    inter = [len(top[a] & top[b]) for a in range(h) for b in range(a + 1, h)]
+    pair = torch.tensor(inter, dtype=torch.float64)
+    return float((pair / (2 * k - pair)).mean().to(torch.float32))
+
+
+def _scores(draw_seed: int, n: int, kind: str, dtype=torch.float64) -> torch.Tensor:
+    """Scores with the cases that decide ties: distinct, few distinct values (many ties),
+    zeros of both signs, NaN and infinities."""
+    g = torch.Generator().manual_seed(draw_seed)
+    if kind == "distinct":
+        s = torch.rand(n, generator=g, dtype=torch.float64)
+    elif kind == "ties":
+        s = torch.randint(0, 4, (n,), generator=g).to(torch.float64) / 4
+    else:
+        s = torch.randint(0, 6, (n,), generator=g).to(torch.float64)
+        specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1.5], dtype=torch.float64)
+        s = specials[s.long()]
+    return s.to(dtype)
+
+
+def _units(seed: int, p: int, n_units: int, in_order: bool) -> torch.Tensor:
+    """``[p]`` unit of every row: runs in order, or scattered; every id below ``n_units``
+    may or may not occur (empty units)."""
+    rng = np.random.default_rng(seed)
+    if in_order:
+        cuts = np.sort(rng.integers(0, n_units, p))
+        return torch.from_numpy(cuts.astype(np.int64))
+    return torch.from_numpy(rng.integers(0, n_units, p).astype(np.int64))
+
+
+_kinds = st.sampled_from(["distinct", "ties", "special"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 100_000), p=st.integers(1, 300), n_units=st.integers(1, 60), kind=_kinds,
+       in_order=st.booleans(), frac=st.floats(0.0, 1.0))
+def test_units_taken_chooses_what_the_reference_chose(seed, p, n_units, kind, in_order, frac):
+    unit_of = _units(seed, p, n_units, in_order)
+    count = torch.bincount(unit_of, minlength=n_units)
+    scores = _scores(seed, n_units, kind, dtype=torch.float32 if seed % 2 else torch.float64)
+    k = max(1, min(p, int(frac * p)))
+    rows, units = units_taken(scores, unit_of, count, k)
+    ref_rows, ref_units = reference_units_taken(scores, unit_of, count, k)
+    assert rows.dtype == torch.int64 and torch.equal(rows, ref_rows)
+    assert units == ref_units
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 100_000), p=st.integers(1, 300), n_units=st.integers(1, 60), kind=_kinds,
+       in_order=st.booleans(), frac=st.floats(0.0, 1.0))
+def test_select_units_chooses_what_the_reference_chose(seed, p, n_units, kind, in_order, frac):
+    unit_of = _units(seed, p, n_units, in_order)
+    scores = _scores(seed, p, kind, dtype=torch.float32 if seed % 2 else torch.float64)
+    k = max(1, min(p, int(frac * p)))
+    rows = select_units(scores, unit_of, k)
+    assert rows.dtype == torch.int64 and torch.equal(rows, reference_select_units(scores, unit_of, k))
+
+
+def test_select_units_sums_a_long_prefix_in_the_same_order():
+    """8000-row prefixes of 16-row units with float32 attention-like scores (the default
+    path's sizes): the units' sums, added in row order, rank the units alike."""
+    g = torch.Generator().manual_seed(7)
+    for seed in range(5):
+        p = 8000 + seed * 131
+        unit_of = torch.arange(p) // 16
+        scores = torch.softmax(torch.randn(3, p, generator=g) * 4, dim=-1).sum(0).to(torch.float64)
+        scores = scores / 3 + scores * 1e-9  # values whose sums round
+        k = p // 4 + seed
+        assert torch.equal(select_units(scores, unit_of, k), reference_select_units(scores, unit_of, k))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 100_000), h=st.integers(1, 5), p=st.integers(1, 200), kind=_kinds, frac=st.floats(0.0, 1.0))
+def test_top_jaccard_agrees_with_the_reference(seed, h, p, kind, frac):
+    scores = torch.stack([_scores(seed + i, p, kind, dtype=torch.float32) for i in range(h)])
+    k = max(1, min(p, int(frac * p)))
+    assert top_jaccard(scores, k) == reference_top_jaccard(scores, k)
