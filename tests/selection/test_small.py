@@ -127,8 +127,17 @@ def test_select_units_sums_a_long_prefix_in_the_same_order():
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 100_000), h=st.integers(1, 5), p=st.integers(1, 200), kind=_kinds, frac=st.floats(0.0, 1.0))
+@given(seed=st.integers(0, 100_000), h=st.integers(1, 6), p=st.integers(1, 200), kind=_kinds, frac=st.floats(0.0, 1.0))
 def test_top_jaccard_agrees_with_the_reference(seed, h, p, kind, frac):
     scores = torch.stack([_scores(seed + i, p, kind, dtype=torch.float32) for i in range(h)])
     k = max(1, min(p, int(frac * p)))
     assert top_jaccard(scores, k) == reference_top_jaccard(scores, k)
+
+
+def test_top_jaccard_of_long_prefixes_agrees_with_the_reference():
+    """Row scores of 8k-row prefixes (the default path's agreement), with ties and NaN."""
+    for seed, kind in enumerate(["distinct", "ties", "special", "distinct"]):
+        p = 8000 + 97 * seed
+        scores = torch.stack([_scores(seed * 10 + i, p, kind, dtype=torch.float32) for i in range(3)])
+        for k in (1, p // 4, p // 4 + 3, p - 1, p):
+            assert top_jaccard(scores, k) == reference_top_jaccard(scores, k)

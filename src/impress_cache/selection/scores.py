@@ -39,9 +39,6 @@ __all__ = [
 #: `attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
 DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
 
-#: `top_jaccard` sorts at most this many scores per head (on the host, `small`);
-#: above it, it compares top-k masks
-SMALL_TOP_JACCARD: int = 2048
 
 
 # ---------------------------------------------------------------------------
@@ -324,14 +321,7 @@ def top_jaccard(scores: Tensor, k: int) -> float:
     if h <= 1:
         return 1.0
     _check_k(k, p)
-    s = _sanitize_scores(scores)
-    if p <= SMALL_TOP_JACCARD:  # few scores (units)
-        pair = small.top_intersections(s, k)  # one stable sort on the host
-    else:
-        member = _top_mask(s, k).to(torch.float32)
-        iu = torch.triu_indices(h, h, offset=1)
-        pair = torch.mm(member, member.t())[iu[0], iu[1]].to(torch.float64)  # exact counts in float32
-    return float((pair / (2 * k - pair)).mean().to(torch.float32))  # every set has k members: |A | B| = 2k - |A & B|
+    return small.top_jaccard(scores, k)  # on the host: a few cheap numpy operations
 
 
 # ---------------------------------------------------------------------------

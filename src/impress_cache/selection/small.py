@@ -12,7 +12,8 @@ those references):
   descending=True, stable=True).indices``);
 * `units_taken`: the best whole units by unit score until ``k`` rows are covered;
 * `select_units_host`: the same by the summed scores of the units' rows;
-* `top_intersections`: the sizes of the pairwise intersections of the rows' top-``k`` sets.
+* `top_jaccard`: the probe heads' agreement, the mean Jaccard similarity of their top-``k``
+  sets.
 
 Inputs may live on any device: they are brought to the host (a no-op on the CPU, one
 small copy from an accelerator); the rows come back as CPU tensors.
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["host", "rank_descending", "select_units_host", "top_intersections", "units_taken"]
+__all__ = ["host", "rank_descending", "select_units_host", "top_jaccard", "top_mask", "units_taken"]
 
 
 def host(t: Tensor) -> np.ndarray:
@@ -82,14 +83,33 @@ def select_units_host(scores: Tensor, unit_of: Tensor, k: int) -> Tensor:
     return torch.from_numpy(np.sort(rows).astype(np.int64, copy=False))
 
 
-def top_intersections(scores: Tensor, k: int) -> Tensor:
-    """float64 ``|A & B|`` of the top-``k`` sets (ties: lower index) of every pair of rows
-    ``a < b`` of ``[H, P]`` scores without NaN, in the order ``(0, 1), (0, 2), ...``."""
+def top_mask(s: np.ndarray, k: int) -> np.ndarray:
+    """Bool mask of the ``k`` highest of each row of ``[H, P]`` ``s`` without NaN, ties
+    lower index first (the first ``k`` of a stable descending sort), without sorting."""
+    p = s.shape[-1]
+    kth = np.partition(s, p - k, axis=-1)[:, p - k : p - k + 1]  # the k-th highest
+    above = s > kth
+    ties = s == kth
+    fill = k - np.count_nonzero(above, axis=-1)[:, None]
+    return above | (ties & (np.cumsum(ties, axis=-1) <= fill))
+
+
+def top_jaccard(scores: Tensor, k: int) -> float:
+    """See `selection.scores.top_jaccard` (``[H, P]`` scores, ``H >= 2``, ``k`` checked
+    there): the same float (NaN ranks lowest, as `scores._sanitize_scores` has it)."""
     s = host(scores)
-    h, p = s.shape
-    top = rank_descending(s)[:, :k]
-    member = np.zeros((h, p), dtype=np.float32)
-    np.put_along_axis(member, top, 1.0, axis=1)
-    inter = member @ member.T  # exact counts in float32
-    a, b = np.triu_indices(h, 1)
-    return torch.from_numpy(inter[a, b].astype(np.float64))
+    if s.dtype.kind != "f":
+        s = s.astype(np.float32)
+    if np.isnan(s).any():  # below everything: infinities become the largest finite values
+        s = np.nan_to_num(s, nan=-np.inf)
+    member = top_mask(s, k)
+    h = s.shape[0]
+    # counted pair by pair (a product would go through numpy's BLAS and its threads)
+    inter = [int(np.count_nonzero(member[a] & member[b])) for a in range(h) for b in range(a + 1, h)]
+    if len(inter) > 10:  # the reference's float64 mean, whose order of additions is torch's
+        pair = torch.tensor(inter, dtype=torch.float64)
+        return float((pair / (2 * k - pair)).mean().to(torch.float32))
+    total = 0.0
+    for x in inter:  # every set has k members: |A | B| = 2k - |A & B|
+        total += x / (2 * k - x)  # (torch adds so few float64 numbers in order, too)
+    return float(np.float32(total / len(inter)))
