@@ -141,3 +141,69 @@ def test_top_jaccard_of_long_prefixes_agrees_with_the_reference():
         scores = torch.stack([_scores(seed * 10 + i, p, kind, dtype=torch.float32) for i in range(3)])
         for k in (1, p // 4, p // 4 + 3, p - 1, p):
             assert top_jaccard(scores, k) == reference_top_jaccard(scores, k)
+
+
+def _prefix(pieces):
+    """A layout over several stored prompts (files 0, 1, ...: ``(first file row, rows)``
+    each) with 16-row blocks, so that units at the pieces' edges are short."""
+    from dataclasses import dataclass
+
+    from impress_cache.store.layout import PrefixLayout
+
+    @dataclass(frozen=True)
+    class Seg:
+        file_id: int
+        file_row: int
+        length: int
+
+    return PrefixLayout([Seg(i, r0, n) for i, (r0, n) in enumerate(pieces)], lambda fid: 16).at(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 100_000), pieces=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 120)), min_size=1,
+       max_size=3), frac=st.floats(0.05, 0.95), scale=st.sampled_from([0.1, 1.0, 6.0]),
+       block_scores=st.sampled_from(["rows", "bounds"]), alike=st.sampled_from([0.0, 0.9, 1.0]))
+def test_select_row_chooses_and_gathers_what_the_reference_did(seed, pieces, frac, scale, block_scores, alike):
+    """`select_row` (block mode; ``"rows"`` is the default) against the torch code it ran
+    before: the same rows, the same similarity, and the gathered K/V are those rows. With
+    ``alike`` near 1 the two KV heads see alike keys and queries (the heads agree: one
+    shared set), at 0 they are independent (mostly each head's own set)."""
+    from helpers import blockset_of
+    from impress_cache.selection.bounds import unit_scores, block_summaries
+    from impress_cache.selection.scores import similarity_threshold
+    from impress_cache.selection.selectors import normalised_sum, probe_scores, select_row
+
+    lay = _prefix(pieces)
+    p, hkv, group, n, d = lay.length, 2, 2, 5, 8
+    k = max(1, min(p - 1, int(frac * p))) if p > 1 else 1
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(hkv, p, d, generator=g), torch.randn(hkv, p, d, generator=g)
+    queries = torch.randn(hkv * group, n, d, generator=g) * scale
+    new_keys = torch.randn(hkv, n, d, generator=g)
+    keys[1] = alike * keys[0] + (1 - alike) * keys[1]
+    queries[group:] = alike * queries[:group] + (1 - alike) * queries[group:]
+    sel = select_row(
+        queries=queries, new_keys=new_keys, probe_keys=keys, probe_kv_heads=(0, 1), layout=lay, k=k,
+        read_units=lambda units, rows=None: blockset_of(lay, units, keys, values), block_scores=block_scores,
+    )
+    if block_scores == "rows":
+        scores = probe_scores(queries, new_keys, keys, (0, 1))
+        thr = similarity_threshold(k, p, 0.6)
+        sim = reference_top_jaccard(scores, k)
+        choose = lambda s: reference_select_units(s, lay.unit_of, k)  # noqa: E731
+    else:
+        scores = unit_scores(queries, block_summaries(keys, *lay.unit_table()))
+        present = int((lay.unit_count > 0).sum())
+        k_u = min(present, max(1, -(-k * present // p)))
+        thr = similarity_threshold(k_u, present, 0.6)
+        sim = reference_top_jaccard(scores, k_u)
+        choose = lambda s: reference_units_taken(s, lay.unit_of, lay.unit_count, k)[0]  # noqa: E731
+    assert sel.similarity == sim and sel.threshold == thr
+    if sim >= thr:
+        rows = choose(normalised_sum(scores))
+    else:
+        rows = torch.stack([choose(scores[h]) for h in range(hkv)])
+    assert torch.equal(sel.rows, rows)
+    idx = rows if rows.dim() == 2 else rows.expand(hkv, -1)
+    assert torch.equal(sel.keys, torch.gather(keys, 1, idx[..., None].expand(-1, -1, d)))
+    assert torch.equal(sel.values, torch.gather(values, 1, idx[..., None].expand(-1, -1, d)))
