@@ -133,7 +133,7 @@ def test_bounds_find_the_planted_blocks_and_read_only_them(with_summaries):
     assert set(planted[0]) <= set(sel.rows.tolist())
     assert read == {2, 6} and sel.units == 2
     assert torch.equal(sel.keys, keys[:, sel.rows]) and torch.equal(sel.values, values[:, sel.rows])
-    assert sel.ranking is not None and sel.ranking.shape == (P,)
+    assert sel.row_ranking() is not None and sel.row_ranking().shape == (P,)
 
 
 def test_bounds_with_kept_rows_and_token_mode():

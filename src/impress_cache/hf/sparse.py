@@ -11,7 +11,7 @@ the whole prefix for ``decode="full"`` does not read them again.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,6 +44,11 @@ def intra_op_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _rows_of(ranking: torch.Tensor | Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+    """A layer's `RowSelection.ranking` as ``[P]`` scores."""
+    return ranking() if callable(ranking) else ranking
 
 
 class SparsePrefill:
@@ -82,7 +87,7 @@ class SparsePrefill:
         self._ahead_hits = self._ahead_needed = 0
         #: per planned row: each layer's combined probe scores (their top k are the
         #: importance the reorganiser accumulates)
-        self._importance: dict[int, dict[int, torch.Tensor | None]] = {}
+        self._importance: dict[int, dict[int, torch.Tensor | Callable[[], torch.Tensor] | None]] = {}
         #: per planned row: K/V blocks touched and rows selected, summed over layers
         self._touched: dict[int, list[int]] = {}
         #: ``decode="keep"`` with ``keep_reselect``: what re-selecting while decoding needs
@@ -292,7 +297,7 @@ class SparsePrefill:
         per_layer = self._importance.setdefault(src, {})
         if layer_idx in per_layer:
             return
-        per_layer[layer_idx] = sel.ranking
+        per_layer[layer_idx] = sel.ranking  # made into [P] scores by `finish`
         rows = sel.rows.reshape(-1)
         heads = sel.rows.shape[0] if sel.rows.dim() == 2 else 1
         t = self._touched.setdefault(src, [0, 0])
@@ -334,7 +339,7 @@ class SparsePrefill:
             self.stats.rows_selected += rows
             if lay is None:
                 continue
-            ranks = [per_layer.get(layer) for layer in range(layers)]
+            ranks = [_rows_of(per_layer.get(layer)) for layer in range(layers)]
             imp = None
             if all(r is not None for r in ranks):  # one top-k over every layer
                 imp = top_masks(torch.stack(ranks), min(self.k, lay.length)).numpy()  # type: ignore[arg-type]

@@ -31,6 +31,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from . import small
+
 __all__ = [
     "BlockSummaries", "block_summaries", "bound_logits", "take_units", "units_taken", "unit_row_scores", "unit_scores",
 ]
@@ -127,17 +129,4 @@ def units_taken(scores: Tensor, unit_of: Tensor, unit_count: Tensor, k: int) -> 
     its size) are kept, lower positions first on ties. The same rows as
     `scores.select_units` on `unit_row_scores`, from ``U`` scores instead of ``P``.
     Also returns the units (ascending) that hold the rows: the blocks to read."""
-    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
-    order = torch.sort(s, descending=True, stable=True).indices
-    covered = torch.cumsum(unit_count[order], dim=0)
-    n_take = min(int((covered < k).sum()) + 1, order.numel())
-    chosen = torch.zeros(s.shape[0], dtype=torch.bool)
-    chosen[order[:n_take]] = True
-    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
-    if rows.numel() > k:
-        per_row = (s / unit_count.clamp(min=1).to(torch.float64))[unit_of[rows]]
-        rows = torch.sort(rows[torch.sort(per_row, descending=True, stable=True).indices[:k]]).values
-        units = torch.unique(unit_of[rows])  # (a unit may have lost all its rows)
-    else:
-        units = torch.nonzero(chosen & (unit_count > 0)).squeeze(1)
-    return rows, units.tolist()
+    return small.units_taken(scores, unit_of, unit_count, k)

@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import small
+
 __all__ = [
     "attention_column_scores",
     "expected_random_jaccard",
@@ -37,9 +39,6 @@ __all__ = [
 #: `attention_column_scores` when ``chunk_rows`` is not given (~64 MiB).
 DEFAULT_CHUNK_ELEMENTS: int = 1 << 24
 
-#: `top_jaccard` sorts at most this many scores per head (and intersects the sets in
-#: Python); above it, it compares top-k masks
-SMALL_TOP_JACCARD: int = 2048
 
 
 # ---------------------------------------------------------------------------
@@ -322,16 +321,7 @@ def top_jaccard(scores: Tensor, k: int) -> float:
     if h <= 1:
         return 1.0
     _check_k(k, p)
-    s = _sanitize_scores(scores)
-    if p <= SMALL_TOP_JACCARD:  # few scores (units): one stable sort, the sets in Python
-        top = [set(r) for r in torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k].tolist()]
-        inter = [len(top[a] & top[b]) for a in range(h) for b in range(a + 1, h)]
-        pair = torch.tensor(inter, dtype=torch.float64)
-    else:
-        member = _top_mask(s, k).to(torch.float32)
-        iu = torch.triu_indices(h, h, offset=1)
-        pair = torch.mm(member, member.t())[iu[0], iu[1]].to(torch.float64)  # exact counts in float32
-    return float((pair / (2 * k - pair)).mean().to(torch.float32))  # every set has k members: |A | B| = 2k - |A & B|
+    return small.top_jaccard(scores, k)  # on the host: a few cheap numpy operations
 
 
 # ---------------------------------------------------------------------------
@@ -528,17 +518,4 @@ def select_units(scores: Tensor, unit_of: Tensor, k: int) -> Tensor:
         raise ValueError(f"scores and unit_of must be 1-D of equal length, got {tuple(scores.shape)}, {tuple(unit_of.shape)}")
     P = scores.shape[0]
     _check_k(k, P)
-    s = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
-    n_units = int(unit_of.max()) + 1
-    sums = torch.zeros(n_units, dtype=torch.float64, device=s.device).scatter_add_(0, unit_of, s)
-    sizes = torch.bincount(unit_of, minlength=n_units)
-    order = _rank_descending(sums)
-    covered = torch.cumsum(sizes[order], dim=0)
-    n_take = int((covered < k).sum()) + 1
-    chosen = torch.zeros(n_units, dtype=torch.bool, device=s.device)
-    chosen[order[:n_take]] = True
-    rows = torch.nonzero(chosen[unit_of]).squeeze(1)
-    if rows.numel() > k:
-        keep = _rank_descending(s[rows])[:k]
-        rows = rows[keep]
-    return torch.sort(rows).values
+    return small.select_units_host(scores, unit_of, k)

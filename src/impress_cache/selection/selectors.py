@@ -50,10 +50,15 @@ class RowSelection:
     read: ReadStats
     #: ``[P]`` combined probe scores: the positions ranking in their top ``k`` are what
     #: the reorganiser accumulates (`top_masks`, once per request, off the per-layer
-    #: path); ``None`` when the selection had no scores
-    ranking: torch.Tensor | None = None
+    #: path); ``None`` when the selection had no scores; or a function that makes them
+    #: when asked (`row_ranking`: bounds spread their units' scores over the rows then)
+    ranking: torch.Tensor | Callable[[], torch.Tensor] | None = None
     #: how many units (blocks) hold ``rows`` (``None``: not counted)
     units: int | None = None
+
+    def row_ranking(self) -> torch.Tensor | None:
+        """`ranking` as ``[P]`` scores."""
+        return self.ranking() if callable(self.ranking) else self.ranking
 
 
 def normalised_sum(scores: torch.Tensor) -> torch.Tensor:
@@ -75,7 +80,7 @@ def load_rows(
     sim: float,
     thr: float,
     fell_back: bool,
-    ranking: torch.Tensor | None = None,
+    ranking: torch.Tensor | Callable[[], torch.Tensor] | None = None,
     units: list[int] | None = None,
     out: torch.Tensor | None = None,
 ) -> RowSelection:
@@ -170,27 +175,34 @@ def select_by_bounds(
     p = layout.length
     count = layout.unit_count
     scores = bound_unit_scores(queries, hkv, probe_keys, probe_kv_heads, layout, summaries)  # [H, U]
-    present = int((count > 0).sum())
+    present = layout.present_units
     k_u = min(present, max(1, math.ceil(k * present / p)))
     alpha, fixed = threshold
     thr = fixed if fixed is not None else similarity_threshold(k_u, present, alpha)
     sim = top_jaccard(scores, k_u)
     ranking_u = normalised_sum(scores)  # [U]
-    ranking = unit_row_scores(ranking_u.unsqueeze(0), layout.unit_of, count)[0]
+    # the rows' ranking is spread out of the units' when the reorganiser's record needs it
+    ranking = functools.partial(_spread, ranking_u, layout.unit_of, count)
     combined = ranking_u
-    if forced is not None:
-        forced_units = torch.unique(layout.unit_of[forced])
-        scores = scores.clone()
-        scores[:, forced_units] += 1e9
+    forced_units = None if forced is None else layout.units_of_kept(forced)
+    if forced_units is not None:
         combined = ranking_u.clone()
         combined[forced_units] += 1e9
     if sim >= thr:
         rows, units = units_taken(combined, layout.unit_of, count, k)
         return load_rows(layout, rows, read_units, sim, thr, False, ranking, units, out)
+    if forced_units is not None:
+        scores = scores.clone()
+        scores[:, forced_units] += 1e9
     if list(probe_kv_heads) == list(range(hkv)):
         rows = torch.stack([take_units(scores[h], layout.unit_of, count, k) for h in range(hkv)])
         return load_rows(layout, rows, read_units, sim, thr, True, ranking, out=out)
     return _own_rows_from_full(layout, read_units, queries, new_keys, forced, k, sim, thr, ranking, out)
+
+
+def _spread(ranking_u: torch.Tensor, unit_of: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``[P]`` row ranking of ``[U]`` unit scores (`unit_row_scores`)."""
+    return unit_row_scores(ranking_u.unsqueeze(0), unit_of, count)[0]
 
 
 def _own_rows_from_full(

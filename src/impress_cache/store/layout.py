@@ -154,6 +154,19 @@ class LayerView:
         else:
             self._runs = []
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._placement_np = (unit_of, row_of)
+        #: how many units hold a position of this layer
+        self.present_units = int(np.count_nonzero(self.unit_count.numpy()))
+        self._kept_units: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def units_of_kept(self, positions: torch.Tensor) -> torch.Tensor:
+        """Sorted units holding ``positions``, a tensor that is never modified (the rows
+        always kept: `selectors.kept_rows` hands out one per prefix length), remembered
+        per tensor."""
+        got = self._kept_units.get(id(positions))
+        if got is None or got[0] is not positions:
+            got = self._kept_units[id(positions)] = (positions, torch.unique(self.unit_of[positions]))
+        return got[1]
 
     def unit_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([units, S] positions, [units] present)``, computed once: for every unit and
@@ -216,23 +229,41 @@ class LayerView:
         pool = blocks.placed().pool
         _, _, heads, s, dim = pool.shape
         # a slot holds [2, heads, s] rows: the row of (kv, head, position) is the slot's
-        # first row + (kv * heads + head) * s + the position's row in its block
-        idx = self.row_index(units, blocks.slot_of[offset : offset + len(units)], 2 * heads * s, positions)
+        # first row + (kv * heads + head) * s + the position's row in its block (the index
+        # is built in numpy: a few small operations, each a fraction of a torch one's cost)
+        idx = self._row_index_np(units, blocks.slot_of[offset : offset + len(units)], 2 * heads * s, positions)
         k = idx.shape[-1]
-        flat = idx.view(1, -1, k) + torch.arange(0, 2 * heads * s, s).view(2, heads, 1)  # [2, H, k]
+        flat = idx.reshape(1, -1, k) + np.arange(0, 2 * heads * s, s).reshape(2, heads, 1)  # [2, H, k]
         rows = pool.reshape(-1, dim)
         if out is None:
-            got = rows.index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim)
+            got = rows.index_select(0, torch.from_numpy(flat.reshape(-1)).to(pool.device)).view(2, heads, k, dim)
             return got[0], got[1]
         dense = _rows_of(out) if out.dtype == pool.dtype and out.device == pool.device else None
         if dense is None:
-            out.copy_(rows.index_select(0, flat.reshape(-1).to(pool.device)).view(2, heads, k, dim))
+            out.copy_(rows.index_select(0, torch.from_numpy(flat.reshape(-1)).to(pool.device)).view(2, heads, k, dim))
         else:
             target, room = dense
             if room:  # the room rows take row 0 of the pool
-                flat = torch.cat([flat, flat.new_zeros(2, heads, room)], dim=2)
-            torch.index_select(rows, 0, flat.reshape(-1)[: target.shape[0]].to(pool.device), out=target)
+                flat = np.concatenate([flat, np.zeros((2, heads, room), dtype=flat.dtype)], axis=2)
+            at = torch.from_numpy(flat.reshape(-1)[: target.shape[0]]).to(pool.device)
+            torch.index_select(rows, 0, at, out=target)
         return out[0], out[1]
+
+    def _row_index_np(
+        self, units: Sequence[int], slots: Sequence[int], slot_rows: int, positions: torch.Tensor | None
+    ) -> np.ndarray:
+        """`row_index` as an int64 numpy array."""
+        base = np.full(len(self.units), -1, dtype=np.int64)
+        base[np.asarray(units, dtype=np.int64)] = np.asarray(slots, dtype=np.int64) * slot_rows
+        unit_of, row_of = self._placement_np
+        if positions is None:
+            b, r = base[unit_of], row_of
+        else:
+            pos = positions.detach().cpu().numpy()
+            b, r = base[unit_of[pos]], row_of[pos]
+        if (b < 0).any():
+            raise ValueError("a position lies in a unit whose block was not given")
+        return b + r
 
     def gather_into(self, units: Sequence[int], blocks: BlockSet, out: torch.Tensor, offset: int = 0) -> None:
         """Every position (in order) into ``out``, a ``[2, heads, positions, head_dim]``
