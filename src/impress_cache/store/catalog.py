@@ -134,6 +134,9 @@ class Catalog:
         #: write's transaction (`StoreGC.evict_within`); the removal's ``settle`` applies
         #: it after the commit, its ``abandon`` after a rollback
         self.evictor: Callable[[object, int, int, set[int]], Any] | None = None
+        #: whether a lease of this process holds a file: see `_forget_dropped`
+        self.held: Callable[[int], bool] = lambda file_id: False
+        self._forget_later: dict[int, FileRecord] = {}
         self._load()
 
     @property
@@ -174,6 +177,8 @@ class Catalog:
         a tree left stale."""
         with self.lock:
             self.refreshes += 1
+            if self._forget_later:
+                _forget_dropped(self, list(self._forget_later.values()))
             if self._stale:
                 self.reload_tree()
             elif self.index.changed_elsewhere():
@@ -224,7 +229,7 @@ class Catalog:
             for old, new_ids, k in applied.successors:
                 self._on_split(old, new_ids, k)
             self._on_leaves(applied.leaves, False, applied.removed)
-            self.forget({r.id for r in applied.dropped}, applied.dropped)
+            _forget_dropped(self, applied.dropped)
 
     @contextmanager
     def transaction(self, durable: bool = True) -> Iterator[Tx]:
@@ -459,6 +464,8 @@ class Catalog:
         if not ids:
             return
         with self.lock:
+            for fid in ids:
+                self._forget_later.pop(fid, None)
             self.files.drop(ids)
             self._on_forget(ids, {r.id: r for r in records if r.id in ids})
 
@@ -528,3 +535,17 @@ class Catalog:
                 os.unlink(name, dir_fd=self.chunks_fd)
             except FileNotFoundError:
                 pass
+
+
+def _forget_dropped(cat: Catalog, dropped: list[FileRecord]) -> None:
+    """Forget files the index dropped (descriptors closed, blocks dropped), except those
+    a lease of this process holds (``cat.held``): a request that leased one before a
+    rewrite or a removal keeps reading it. Those are forgotten by a later `refresh` that
+    finds them free, or by whoever defers their unlink to the last lease (a rewrite:
+    `Reordering._replaced`)."""
+    with cat.lock:
+        now = [rec for rec in dropped if not cat.held(rec.id)]
+        for rec in dropped:
+            if rec not in now:
+                cat._forget_later[rec.id] = rec
+        cat.forget({r.id for r in now}, now)
