@@ -42,14 +42,16 @@ class DeferredLoad:
     statistics (never while it holds its own lock), and the writer thread calls it as one
     of its first jobs; the store calls `defer` while it opens, which reads nothing.
 
-    Lock order (enforced: `index.locks`): ``guard`` (the catalog's lock, held by every
-    index transaction that changes the tree until its ``COMMIT``) is held around the
-    read (which takes the index's lock) and the install; the owner's ``lock`` (ranked
-    above the index's: a transaction's removals update the owner's values) around the
+    Lock order (enforced: `index.locks`): ``guard`` (the catalog's lock, which an index
+    transaction that changes the tree holds while it plans and while the tree follows
+    its ``COMMIT``, not during it) is held around the read (through the index's read
+    connection, or the caller's own transaction) and the install; the owner's ``lock``
+    (ranked above both: a transaction's removals update the owner's values) around the
     install only. A thread inside such a transaction that calls in holds the guard
     already, and a thread that waits for the guard holds neither lock, so the two never
-    wait for each other. (A statistics save holds the index without the guard: it calls
-    nothing that takes it, and must not.) A
+    wait for each other. A read that runs while a write's ``COMMIT`` is under way sees
+    the index before it (a node that write splits still has its saved rows; read after
+    the ``COMMIT``, they are gone with the node and its halves start without them). A
     caller that finds the statistics pending waits for the thread reading them; `pending`
     turns False only once ``install`` has returned, so a caller never sees half of them.
 
