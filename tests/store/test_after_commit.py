@@ -126,3 +126,25 @@ def test_a_failure_after_a_rewrite_commits_keeps_the_rewritten_file(tmp_path, mo
         assert store.stats()["quarantined_files"] == 0
         names = sorted(p.name for p in (tmp_path / CHUNK_DIR).iterdir())
         assert names == [store._catalog.records[node.file_id].name]
+
+
+def test_the_budget_s_bookkeeping_runs_after_a_failed_tree_update(tmp_path, monkeypatch):
+    """A write whose transaction also evicted (the disk budget) commits, then its tree
+    update fails: the tree is reloaded, and the removals' bookkeeping still runs (the
+    evicted leaf's statistics go), as after a tree update that worked (review19)."""
+    model = tiny_model("llama")
+    a, b = tokens(1, 80)[None], tokens(2, 80)[None]
+    cfg = dict(CFG)
+    with ImpressStore(tmp_path, model, ImpressConfig(**cfg)) as store:
+        assert_same_as_uncached(model, store, a)
+        cfg["disk_bytes"] = store.disk_bytes() + store.stats()["bytes_written"] // 2
+    with ImpressStore(tmp_path, model, ImpressConfig(**cfg)) as store:
+        leaf_a = store.match(a[0].tolist()).segments[-1].node.id
+        settled = _fail_once(monkeypatch, Removal, "settle", fail=False)
+        failed = _fail_once(monkeypatch, RadixTree, "attach")
+        assert_same_as_uncached(model, store, b)  # stores b, evicting a in the same transaction
+        assert failed and settled, "the bookkeeping did not run after the failed tree update"
+        monkeypatch.undo()
+        assert store.stats()["after_commit_failures"] == 1 and store.stats()["prefixes_evicted"] == 1
+        assert store.match(a[0].tolist()).length == 0 and store.tree.get(leaf_a) is None
+        assert leaf_a not in store._values._policy and leaf_a not in store._values._queued

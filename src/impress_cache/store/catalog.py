@@ -250,7 +250,7 @@ class Catalog:
         An exception before the ``COMMIT`` has returned rolls back, leaves the tree
         untouched and runs ``tx.undo`` callbacks. A failure after it (the tree update, a
         callback) never undoes the commit: `after_commit_failed` logs and counts it and
-        reloads the tree."""
+        reloads the tree, and the callbacks after it still run."""
         with self.index.writing():
             tx: Tx | None = None
             try:
@@ -267,15 +267,16 @@ class Catalog:
                         for fn in tx._undo:
                             fn()
                 raise
-            with self.lock:
-                try:
-                    self._take_committed(start, pending)
-                    for fn in tx._after:
+            steps = [("the tree update", lambda: self._take_committed(start, pending))]
+            steps += [("a step", fn) for fn in tx._after]
+            with self.lock:  # (each step even if one before it failed: the commit stands)
+                for step, fn in steps:
+                    try:
                         fn()
-                except BaseException as exc:
-                    self.after_commit_failed("the tree update after a committed transaction", exc)
-                    if not isinstance(exc, Exception):
-                        raise
+                    except BaseException as exc:
+                        self.after_commit_failed(f"{step} after a committed transaction", exc)
+                        if not isinstance(exc, Exception):
+                            raise
 
     def _take_committed(self, start: int | None, pending: ChangeSet | None) -> None:
         """After a ``COMMIT``, under the lock: the tree becomes what the index held right
