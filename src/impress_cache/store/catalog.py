@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -134,8 +134,8 @@ class Catalog:
         #: write's transaction (`StoreGC.evict_within`); the removal's ``settle`` applies
         #: it after the commit, its ``abandon`` after a rollback
         self.evictor: Callable[[object, int, int, set[int]], Any] | None = None
-        #: whether a lease of this process holds a file: see `_forget_dropped`
-        self.held: Callable[[int], bool] = lambda file_id: False
+        #: the ids of the files a lease of this process holds: see `_forget_dropped`
+        self.held: Callable[[], Container[int]] = frozenset
         self._forget_later: dict[int, FileRecord] = {}
         self._load()
 
@@ -544,9 +544,10 @@ def _forget_dropped(cat: Catalog, dropped: list[FileRecord]) -> None:
     rewrite or a removal keeps reading it. Those are forgotten by a later `refresh` that
     finds them free, or by whoever defers their unlink to the last lease (a rewrite:
     `Reordering._replaced`)."""
+    if not dropped:
+        return
     with cat.lock:
-        now = [rec for rec in dropped if not cat.held(rec.id)]
-        for rec in dropped:
-            if rec not in now:
-                cat._forget_later[rec.id] = rec
+        held = cat.held()
+        cat._forget_later.update((rec.id, rec) for rec in dropped if rec.id in held)
+        now = [rec for rec in dropped if rec.id not in held]
         cat.forget({r.id for r in now}, now)

@@ -55,7 +55,7 @@ class StoreGC:
         #: the store was found over its budget with nothing left to remove (warned once)
         self._warned_over = False
         catalog.evictor = self.evict_within
-        catalog.held = lambda file_id: file_id in leases.held()  # (a leased file dropped: forgotten later)
+        catalog.held = lambda: leases.held().keys()  # (a leased file dropped: forgotten later)
 
     # -- damaged files ---------------------------------------------------------------
     def quarantine(self, file_id: int, reason: str) -> bool:
