@@ -130,10 +130,9 @@ def test_loaded_tree_and_files_are_what_the_index_says(tmp_path_factory, ops, bi
                     path[:0] = [int(t) for t in n.tokens]
                     n = n.parent
                 changes = TreeChanges()
-                with cat.index.transaction() as conn:
-                    changes.remove_leaf(cat, conn, node)
-                    changes.drop_file_if_unreferenced(cat, conn, node.file_id)
-                cat.apply(changes)  # (the tree follows once committed)
+                with cat.transaction() as tx:  # (the tree follows once committed)
+                    changes.remove_leaf(cat, tx.conn, node)
+                    changes.drop_file_if_unreferenced(cat, tx.conn, node.file_id)
                 covered -= {tuple(path[:i]) for i in range(len(path) - node.length + 1, len(path) + 1)}
             elif op == "rewrite" and len(cat.tree):
                 nodes = sorted(cat.tree.nodes(), key=lambda n: n.id)

@@ -431,12 +431,6 @@ class Catalog:
         changes.drop_file_if_unreferenced(self, conn, node.file_id)
         return new_id, file_id, changes.dropped
 
-    def apply(self, changes: TreeChanges) -> None:
-        """The tree and the file table after a committed transaction that deleted the
-        nodes and files of ``changes`` (never before its ``COMMIT`` has returned)."""
-        with self.lock:
-            self._on_leaves(changes.apply_to(self.tree, self.records), False, ())
-
     # -- files -----------------------------------------------------------------------
     def open_file(self, file_id: int) -> OpenFile:
         """The block table of a file (`OpenFiles.get`)."""

@@ -7,8 +7,8 @@ the deletions run as SQL statements inside the transaction, while the tree and t
 table that requests match against stay as they are. The plan reads the tree through the
 changes (`TreeChanges.is_leaf`: a node whose children were all deleted in this
 transaction is a leaf now), so a batch of removals can take a leaf, then its parent.
-Once ``COMMIT`` has returned, `Catalog.apply` brings the tree and the file table in line
-with the index; if the transaction rolls back, the changes are dropped and the tree,
+Once ``COMMIT`` has returned, the tree and the file table follow the change log the
+transaction read before it (`Catalog.transaction`); if the transaction rolls back, the changes are dropped and the tree,
 never touched, still equals the index. No other thread ever sees a removal that may
 still roll back.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..index.files import FileRecord, FileTable
-from ..index.radix import RadixNode, RadixTree
+from ..index.files import FileRecord
+from ..index.radix import RadixNode
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -29,7 +29,7 @@ class TreeChanges:
 
     def __init__(self) -> None:
         #: the deleted nodes, children before their parents (each a leaf once those
-        #: before it are gone): the order `apply_to` removes them from the tree in
+        #: before it are gone)
         self.removed: list[RadixNode] = []
         #: ids of the deleted nodes
         self.gone: set[int] = set()
@@ -79,22 +79,3 @@ class TreeChanges:
                 out.append(rec)
         self.dropped.extend(out)
         return out
-
-    def apply_to(self, tree: RadixTree, records: FileTable) -> list[int]:
-        """After the commit: remove the deleted nodes from ``tree`` and the deleted files
-        from ``records``; returns the ids of the nodes that became leaves. A node that is
-        no longer in the tree (the tree was reloaded from the index, which has seen the
-        commit) is skipped."""
-        parents: dict[int, RadixNode] = {}
-        for planned in self.removed:
-            node = tree.get(planned.id)
-            if node is None or node.children:
-                continue
-            parent = node.parent
-            tree.remove(node)
-            parents.pop(node.id, None)
-            if parent is not None and parent.parent is not None and not parent.children:
-                parents[parent.id] = parent
-        for rec in self.dropped:
-            records.pop(rec.id, None)
-        return [node_id for node_id, parent in parents.items() if tree.get(node_id) is parent]

@@ -84,7 +84,8 @@ class StoreGC:
         for rec in dropped:
             if rec.id != file_id:
                 self._leases.defer_unlink(rec.id, rec.name)
-        catalog.forget({rec.id for rec in dropped} | {file_id}, dropped)
+        # (the other dropped files were forgotten as the tree followed, unless a lease holds them)
+        catalog.forget({file_id}, [rec for rec in dropped if rec.id == file_id])
         if record is None and not removed:
             log.info("file %s left the index meanwhile (%s); nothing to quarantine", file_id, reason)
             return False
@@ -335,15 +336,14 @@ class Removal:
         self.dropped = changes.dropped
 
     def settle(self) -> None:
-        """Under the catalog lock, once the transaction has committed: take the leaves
-        and files out of the tree and the file table, forget them, put the candidates
-        passed over back on the heap."""
+        """Under the catalog lock, once the transaction has committed and the tree
+        follows it (`Catalog.transaction`: the leaves and files are out of the tree and
+        the file table, the files no lease holds forgotten): forget the leaves' values,
+        put the candidates passed over back on the heap."""
         gc = self.gc
-        gc._catalog.apply(self.changes)
         gc._values.forget(self.victims)
         # a node passed over may have been split by the write meanwhile: its id is gone
         gc._values.push([n for n in self.back if gc._catalog.tree.get(n) is not None])
-        gc._catalog.forget({rec.id for rec in self.dropped}, self.dropped)
 
     def abandon(self) -> None:
         """Under the catalog lock, after the transaction rolled back: nothing changed in the
