@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import json
@@ -28,6 +29,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -622,6 +624,62 @@ def budget_processes(path: Path, user: Path, rng: random.Random) -> bool:
     return _serves_after(path, pool)
 
 
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remote_unreachable(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, item 5: a remote tier whose server cannot be reached. The store opens,
+    ``stats()["remote"]["state"]`` names the endpoint and the failure, every prompt is
+    stored and served exactly from the local disk, and its upload is dropped at once
+    (before, each cost ``remote_retry_s`` of retries)."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    cfg = dataclasses.replace(
+        CFG, remote="s3://kvbucket/team", remote_retry_s=30.0,
+        remote_options={"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint}},
+    )
+    docs = [tokens(rng.randrange(10**6), rng.choice([24, 48, 80])) for _ in range(rng.choice([1, 2, 3]))]
+    t0 = time.monotonic()
+    with ImpressStore(path, MODEL, cfg) as store:
+        for d in docs:
+            generate(MODEL, d, store)
+            store.flush()
+            if not torch.equal(generate(MODEL, d, store), generate(MODEL, d)):
+                return False
+        state, dropped = store.stats()["remote"]["state"], store.stats()["remote"]["uploads_dropped"]
+        matched = store.match(docs[-1].tolist()).length
+    told = "cannot be reached" in state and endpoint in state
+    return told and dropped == len(docs) and matched > 0 and time.monotonic() - t0 < 20
+
+
+def small_budget(path: Path, user: Path, rng: random.Random) -> bool:
+    """Issue 25, item 6: a disk budget below one prompt keeps at most the prompt just
+    written (none when it extends a prefix stored in an older file: here a shared
+    system prompt, half the tries), its files gone when the write returns; what is kept
+    is served exactly, and a fresh open serves exactly."""
+    system = tokens(rng.randrange(10**6), 16) if rng.random() < 0.5 else None
+    docs = [tokens(rng.randrange(10**6), rng.choice([24, 40, 64])) for _ in range(rng.choice([2, 3, 4]))]
+    if system is not None:
+        docs = [torch.cat([system, d]) for d in docs]
+    cfg = dataclasses.replace(CFG, disk_bytes=rng.choice([1, 4096, 20_000]))
+    with ImpressStore(path, MODEL, cfg) as store:
+        for d in docs:
+            before = store.stats()["bytes_written"]
+            generate(MODEL, d, store)
+            store.flush()
+            written = store.stats()["bytes_written"] - before
+            kept = sum(n.terminal for n in store.tree.nodes())
+            files = sum(1 for _ in (path / "chunks").iterdir())
+            if kept > 1 or files > 1 or store._catalog.chunk_bytes > max(written, 0):
+                return False
+            if kept and store.match(d.tolist()).length < len(d) - 1:  # (the one kept is the one just written)
+                return False
+    return _serves_after(path, docs)
+
+
 def _flip(f: Path, offsets: Any) -> None:
     raw = bytearray(f.read_bytes())
     for off in offsets:
@@ -759,6 +817,8 @@ CATEGORIES: dict[str, tuple[Callable[[Path, Path, random.Random], bool], int, in
     "budget_processes": (budget_processes, 1, 3),
     "sparse_recovery": (sparse_recovery, 8, 40),
     "metadata_damage": (metadata_damage, 8, 40),
+    "remote_unreachable": (remote_unreachable, 1, 5),
+    "small_budget": (small_budget, 3, 20),
 }
 
 MODEL_FACTORY = tiny
