@@ -37,24 +37,25 @@ def _buffer(store, rows, room):
     return torch.full((2, 1, spec.num_kv_heads, rows + room, spec.head_dim), float("nan"), dtype=spec.torch_kv_dtype)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(2, 60), min_size=1, max_size=4),
     cut=st.integers(1, 59),
     chunk=st.integers(1, 20),
     room=st.integers(0, 9),
-    dtype=st.sampled_from(["float32", "bfloat16"]),
+    kind=st.sampled_from([("safetensors", "float32"), ("safetensors", "bfloat16"), ("hdf5", "float32")]),
     seed=st.integers(0, 1000),
 )
-def test_rows_read_into_a_buffer_are_the_stored_rows(tmp_path_factory, lengths, cut, chunk, room, dtype, seed):
+def test_rows_read_into_a_buffer_are_the_stored_rows(tmp_path_factory, lengths, cut, chunk, room, kind, seed):
     """Prompts sharing prefixes are stored across files (partial first and last blocks,
-    short last blocks); every row of every layer lands where the pool path puts it, and
+    short last blocks; both chunk formats); every row of every layer lands where the pool path puts it, and
     the rows after the prefix are left alone."""
     model = _model()
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, 256, (60,), generator=g).tolist()
+    fmt, dtype = kind
     cfg = ImpressConfig(chunk_tokens=chunk, fsync=False, kv_dtype=dtype, **TIERS_OFF)
-    with ImpressStore(tmp_path_factory.mktemp("kv"), model, cfg) as store:
+    with ImpressStore(tmp_path_factory.mktemp("kv"), model, cfg, storage_format=fmt) as store:
         spec = store.spec
         ks, vs = _kv(spec.num_layers, spec.num_kv_heads, 60, spec.head_dim, spec.torch_kv_dtype, seed)
         for n in lengths:
