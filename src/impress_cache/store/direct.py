@@ -61,6 +61,8 @@ def plan_rows(io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, ou
         f = catalog.open_file(int(files[a]))
         t, bl = f.table, blocks[a:b]
         rows = t.rows[bl]
+        if np.any(r0[a:b] + count[a:b] > rows):  # rows a block does not hold: the pool path's errors
+            return None
         all_rows[a:b] = rows
         offsets, nbytes = t.offsets[KV, layer, bl], rows * spec.kv_row_bytes
         linked = fill is not None and fill.linked(f.record.name, f.record.id)
