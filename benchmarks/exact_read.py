@@ -1,6 +1,8 @@
 """The dense loader alone: what reading a whole prefix costs, without the model's forward.
 
     python benchmarks/exact_read.py --lengths 4096 8000 --repeats 8 --out results/exact-read.json
+    python benchmarks/exact_read.py --lengths 8000 --repeats 30 --ways pool --pause 5 --out /tmp/x.json &
+    perf record -F 1999 -g -a -o perf.pool -- sleep 10     # once the pid is printed: a profile of the runs
 
 SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64, float32, 16-token blocks),
 random K/V stored once (``store.put``), memory tiers off. Each run builds a
@@ -47,7 +49,10 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
         store.put(toks, ks, vs)
         lay = store.layout(store.match(toks[:n]).segments)
         direct = store.start_rows
-        ways = {"direct": direct, "pool": lambda *a, **k: None}
+        ways = {w: f for w, f in (("direct", direct), ("pool", lambda *a, **k: None)) if w in args.ways}
+        if args.pause:  # time to attach a profiler: perf record -g -a -p PID
+            print(f"pid {os.getpid()}: runs start in {args.pause} s", flush=True)
+            time.sleep(args.pause)
         runs: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
         for _ in range(args.repeats):
             for way, start_rows in ways.items():
@@ -70,8 +75,9 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
             "cpu_runs_s": [round(r[1], 4) for r in rows],
         }
         print(f"  {n:6d} {way:7s} wall {out[way]['wall_s']:.3f} s  cpu {out[way]['cpu_s']:.3f} s", flush=True)
-    out["direct_vs_pool_wall"] = out["direct"]["wall_s"] / out["pool"]["wall_s"]
-    out["direct_vs_pool_cpu"] = out["direct"]["cpu_s"] / out["pool"]["cpu_s"]
+    if len(runs) == 2:
+        out["direct_vs_pool_wall"] = out["direct"]["wall_s"] / out["pool"]["wall_s"]
+        out["direct_vs_pool_cpu"] = out["direct"]["cpu_s"] / out["pool"]["cpu_s"]
     return out
 
 
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8000])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--warm", action="store_true", help="read from the page cache (default: guest-cold)")
+    p.add_argument("--ways", nargs="+", choices=["direct", "pool"], default=["direct", "pool"])
+    p.add_argument("--pause", type=float, default=0.0, help="print the pid and wait this long before the runs")
     p.add_argument("--out", default="results/exact-read.json")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
