@@ -24,6 +24,7 @@ from ..selection.bounds import BlockSummaries, block_summaries
 from ..stats import RequestStats
 from ..storage.base import KV, PROBE
 from ..store.blockset import ReadStats
+from ..store.direct import RowsRead
 from ..store.layout import PrefixLayout
 from ..store.store import ImpressStore
 
@@ -155,28 +156,34 @@ class DenseLoader:
         first = self._reused - held
         return [torch.arange(max(first, pad), self._reused) - pad for pad in self._pads]
 
-    def _start(self, layer: int) -> tuple[int, list[_RowRead | list[torch.Tensor] | None]] | None:
-        if self._held[layer] is None:
+    def _start(self, layer: int) -> tuple[int, list[_RowRead | list[torch.Tensor] | RowsRead | None], torch.Tensor] | None:
+        held = self._held[layer]
+        if held is None:
             return None
         positions = self._positions(layer)
-        resident: list[list[torch.Tensor] | None] = [None] * len(self._layouts)
+        buf = prefix_buffer(self._store, len(self._layouts), held, self._room, max(self._pads) > self._reused - held)
+        resident: list[list[torch.Tensor] | RowsRead | None] = [None] * len(self._layouts)
         if positions is None:  # rows held in the memory tiers' slabs: views, no read
             resident = [None if lay is None else self._store.resident_rows(lay, layer) for lay in self._layouts]
+            for i, lay in enumerate(self._layouts):  # else, with the tiers off: read straight into the buffer
+                if lay is not None and resident[i] is None:
+                    resident[i] = self._store.start_rows(lay, layer, buf[:, i, :, self._pads[i] : self._reused])
         todo = [None if r is not None else lay for lay, r in zip(self._layouts, resident)]
         _, reads = _start_reads(self._store, todo, KV, layer, place_hits=False, positions=positions)
-        return layer, [r if r is not None else read for r, read in zip(resident, reads)]
+        return layer, [r if r is not None else read for r, read in zip(resident, reads)], buf
 
-    def _gather(self, started: tuple[int, list[_RowRead | list[torch.Tensor] | None]] | None) -> torch.Tensor | None:
+    def _gather(self, started: tuple[int, list[_RowRead | list[torch.Tensor] | RowsRead | None], torch.Tensor] | None) -> torch.Tensor | None:
         if started is None:
             return None
-        layer, reads = started
+        layer, reads, buf = started
         held = self._held[layer]
         assert held is not None
         positions = self._positions(layer)
-        first = self._reused - held
-        buf = prefix_buffer(self._store, len(self._layouts), held, self._room, max(self._pads) > first)
         for i, row in enumerate(reads):
             if row is None:
+                continue
+            if isinstance(row, RowsRead):  # read, verified and placed by the reader threads
+                self._count(row.result())
                 continue
             if isinstance(row, list):  # slab views: one copy each
                 at = self._pads[i]
@@ -193,13 +200,16 @@ class DenseLoader:
                 start = held - len(positions[i])
                 buf[0, i, :, start:held] = k
                 buf[1, i, :, start:held] = v
-            with self._lock:
-                self._stats.bytes_read_disk += blocks.stats.disk_bytes
-                self.disk_bytes += blocks.stats.disk_bytes
-                if self._beside_sparse:
-                    self._stats.bytes_read_rows += blocks.stats.disk_bytes
-                self._stats.blocks_read += blocks.stats.disk_blocks
+            self._count(blocks.stats)
         return buf
+
+    def _count(self, read: ReadStats) -> None:
+        with self._lock:
+            self._stats.bytes_read_disk += read.disk_bytes
+            self.disk_bytes += read.disk_bytes
+            if self._beside_sparse:
+                self._stats.bytes_read_rows += read.disk_bytes
+            self._stats.blocks_read += read.disk_blocks
 
     def layer(self, layer: int) -> torch.Tensor:
         """The layer's buffer (``[2, batch, kv_heads, held + room, head_dim]``, its last

@@ -154,12 +154,14 @@ def iter_blocks(
                 block += 1
 
 
-def checksum(data: bytes | memoryview, seed: int = 0) -> int:
+def checksum(data: bytes | memoryview, seed: int = 0, release: bool = True) -> int:
     """Checksum of one block's bytes: CRC-32C (hardware) started from ``seed``.
 
-    Releases the GIL, so reader threads verify blocks in parallel.
+    Releases the GIL, so reader threads verify blocks in parallel; ``release=False``
+    keeps it (a loop over small blocks: a few microseconds each, where handing the GIL
+    over per block costs more than the checksum).
     """
-    return crc32c.crc32c(data, seed, 1)
+    return crc32c.crc32c(data, seed, 1 if release else 0)
 
 
 def context_digest(tokens: np.ndarray) -> bytes:

@@ -7,7 +7,9 @@ alignment padding) are merged into one request whose iovecs scatter each block i
 own destination (adjacent destinations share one iovec) and the padding into a scratch
 buffer; requests run on a thread pool so several are in flight at once. Every block is
 verified against its checksum (CRC-32C from the block's seed, in the reading thread,
-without the GIL) before the batch is reported done.
+without the GIL) before the batch is reported done. A group with a `RowPlacement` is read
+in cache-sized runs through a staging buffer and its rows placed where they belong
+(`placed`: straight into a layer's buffer, each block verified before it is copied).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import numpy as np
 
 from ..errors import CorruptBlockError, StoreIOError
 from .base import ALIGN, checksum
+from .placed import STAGE_BYTES, RowPlacement, place, stage_buffer
+
+#: reader tasks per group of placed rows (`placed`): two shares keep two reads of a layer in
+#: flight beside the loader's window of layers; more only add thread switches on the GIL
+#: (measured on 2 cores: docs/performance.md, "Exact reuse from disk")
+PLACED_SHARES = 2
 
 #: iovecs per ``preadv`` call (Linux IOV_MAX is 1024; a block may need a gap iovec)
 _MAX_IOV = 1000
@@ -58,6 +66,8 @@ class FileBlocks:
     #: called on a reader thread before the blocks are read (e.g. to fetch them from a
     #: remote tier into the file); its `CorruptBlockError` fails the read like a bad block
     before: Callable[[], None] | None = None
+    #: rows placed into their positions (`placed`) instead of whole blocks at ``dest``
+    place: RowPlacement | None = None
 
 
 class ReadBatch:
@@ -87,6 +97,7 @@ class BlockReader:
 
     def __init__(self, threads: int = 8, max_merge_bytes: int = 8 * 2**20) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="impress-read")
+        self._threads = threads
         self.max_merge_bytes = max_merge_bytes
 
     def close(self) -> None:
@@ -111,6 +122,8 @@ class BlockReader:
         (``inline``: read them now, in this thread; errors still surface at `ReadBatch.wait`)."""
         futures: list[Future[int]] = []
         for g in groups:
+            if g.place is not None:
+                g.place.check(g.nbytes)
             if inline:
                 futures.append(_now(self._before_then_read if g.before is not None else self._read_all, g, dest))
             elif g.before is None:
@@ -125,13 +138,23 @@ class BlockReader:
         return self._read_all(g, dest)
 
     def _read_all(self, g: FileBlocks, dest: memoryview) -> int:
+        if g.place is not None:
+            return _read_placed(g, self._runs(g, STAGE_BYTES))
         return sum(_read_run(g, idx, dest) for idx in self._runs(g))
 
     def _submit_group(self, g: FileBlocks, dest: memoryview) -> list[Future[int]]:
-        return [self._pool.submit(_read_run, g, idx, dest) for idx in self._runs(g)]
+        if g.place is None:
+            return [self._pool.submit(_read_run, g, idx, dest) for idx in self._runs(g)]
+        # placed rows: the runs in up to `PLACED_SHARES` contiguous shares, each read in
+        # file order by one reader thread through its own staging buffer
+        runs = self._runs(g, STAGE_BYTES)
+        k = min(len(runs), PLACED_SHARES, self._threads)
+        return [self._pool.submit(_read_placed, g, runs[i * len(runs) // k : (i + 1) * len(runs) // k]) for i in range(k)]
 
-    def _runs(self, g: FileBlocks) -> list[np.ndarray]:
-        """The group's blocks cut into runs, each read with one ``preadv``."""
+    def _runs(self, g: FileBlocks, max_bytes: int | None = None) -> list[np.ndarray]:
+        """The group's blocks cut into runs, each read with one ``preadv`` (a run is at
+        most ``max_bytes`` long unless one block is longer; default `max_merge_bytes`)."""
+        limit = self.max_merge_bytes if max_bytes is None else min(max_bytes, self.max_merge_bytes)
         order = np.argsort(g.offsets, kind="stable")
         off, size = g.offsets[order], g.nbytes[order]
         ends = off + size
@@ -147,7 +170,7 @@ class BlockReader:
             lo = a
             while lo < b:
                 hi = lo + 1
-                while hi < b and ends[hi] - off[lo] <= self.max_merge_bytes and hi - lo < _MAX_IOV // 2:
+                while hi < b and ends[hi] - off[lo] <= limit and hi - lo < _MAX_IOV // 2:
                     hi += 1
                 runs.append(order[lo:hi])
                 lo = hi
@@ -222,6 +245,40 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
         if checksum(dest[d : d + n], seed) != want:
             raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {off} ({n} bytes)", g.file_id)
     return end - start
+
+
+def _read_placed(g: FileBlocks, runs: list[np.ndarray]) -> int:
+    """Read each run of ``g`` (sorted by offset) into this thread's staging buffer with
+    one ``preadv``, verify every block there, then place its rows (`placed.place`)."""
+    assert g.place is not None
+    fd = g.fd if g.fd is not None else open_chunk_file(g.path, g.file_id)
+    total = 0
+    try:
+        if runs:  # the share's pages asked for at once: the device reads ahead of the small runs
+            lo = int(g.offsets[runs[0][0]])
+            hi = int(g.offsets[runs[-1][-1]] + g.nbytes[runs[-1][-1]])
+            try:
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint only
+                pass
+        for idx in runs:
+            offsets, sizes = g.offsets[idx], g.nbytes[idx]
+            start = int(offsets[0])
+            end = int(offsets[-1] + sizes[-1])
+            stage = stage_buffer(end - start)
+            _preadv_all(fd, [stage], start, g, end)
+            rel = offsets - start
+            # a run is cache-sized: its blocks are verified without handing the GIL over
+            # per block (the preadv before and the copies after release it)
+            for r, n, seed, want in zip(rel.tolist(), sizes.tolist(), g.seeds[idx].tolist(), g.expected[idx].tolist()):
+                if checksum(stage[r : r + n], seed, release=False) != want:
+                    raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {start + r} ({n} bytes)", g.file_id)
+            place(g.place, idx, rel, sizes, stage)
+            total += end - start
+    finally:
+        if g.fd is None:
+            os.close(fd)
+    return total
 
 
 def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, g: FileBlocks, end: int) -> None:

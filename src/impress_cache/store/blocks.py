@@ -34,6 +34,7 @@ from ..storage.base import KV, BlockKey, block_code
 from ..storage.reader import BlockReader, FileBlocks, ReadBatch
 from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
+from . import direct
 from .catalog import Catalog
 from .layout import PrefixLayout
 from .slabs import Slabs
@@ -164,6 +165,31 @@ class BlockIO:
     def reset(self) -> None:
         with self._lock:
             self.counters = IOCounters()
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._catalog
+
+    def start_rows(self, layout: PrefixLayout, layer: int, out: torch.Tensor) -> direct.RowsRead | None:
+        """Start reading every row of ``layer`` of ``layout`` from disk straight into
+        ``out`` (``[2, kv_heads, positions, head_dim]``; `store.direct`), with the memory
+        tiers off; ``None`` where the pool path must read them (`start_layout`)."""
+        if self._tiers.enabled:
+            return None
+        return direct.start_rows(self, self._spec, self._reader, layout, layer, out)
+
+    def count_disk_kv(self, disk_bytes: int, blocks: int, rows: int, payload: int) -> None:
+        """Count a dense read of K/V blocks from disk in the store's totals (as `_account`
+        counts one through the pool: every row attended)."""
+        with self._lock:
+            c = self.counters
+            c.bytes_read_disk += disk_bytes
+            c.blocks_read += blocks
+            cell = c.served["kv"]["disk"]
+            cell[0] += blocks
+            cell[1] += payload
+            c.important_rows_needed += rows
+            c.kv_bytes_read_disk += payload
 
     def where(self, layout: PrefixLayout, sample: int = 64) -> tuple[float, bool]:
         """Where a prefix's blocks are, for the cost model: the share of a sample of its

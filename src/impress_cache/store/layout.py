@@ -187,6 +187,15 @@ class LayerView:
         """Sorted indices of the units holding ``positions``."""
         return torch.unique(self.unit_of[positions]).tolist()
 
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """In prompt order, each run of positions one unit holds: ``(unit, first
+        position, first row in the unit's block, rows)`` as int64 arrays; ``None`` for a
+        reordered layer."""
+        if not self.in_order:
+            return None
+        cols = np.array(self._runs, dtype=np.int64).reshape(-1, 4)
+        return cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3]
+
     def units_all(self) -> list[int]:
         """The units holding any position of this layer."""
         return torch.nonzero(self.unit_count).squeeze(1).tolist()

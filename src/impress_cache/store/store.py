@@ -46,6 +46,7 @@ from .activity import Activity
 from .binding import bind, recorded
 from .blocks import BlockIO, PendingRead
 from .blockset import BlockSet
+from .direct import RowsRead
 from .catalog import CHUNK_DIR, Catalog
 from .chunkfiles import check_match, check_tables
 from .directory import prepare
@@ -306,11 +307,7 @@ class ImpressStore:
 
     # -- reads -----------------------------------------------------------------------
     def read_blocks(
-        self,
-        keys: Sequence[BlockKey],
-        shares: Sequence[float | None] | None = None,
-        *,
-        decode: bool = False,
+        self, keys: Sequence[BlockKey], shares: Sequence[float | None] | None = None, *, decode: bool = False,
         known: Mapping[int, torch.Tensor] | None = None,
     ) -> BlockSet:
         """Read blocks ``(file_id, kind, layer, block)`` of one kind: memory tiers first,
@@ -331,12 +328,11 @@ class ImpressStore:
         Returns ``[layers, kv_heads, tokens, head_dim]`` tensors in the stored dtype,
         written into ``out`` (a pair of tensors, or views, of that shape) when given.
         Blocks in ``known`` (`block_code` -> block, already read by this request) are not
-        read again;
-        ``decode`` marks the reads as decode-only (see `read_blocks`). ``layers``: only
-        these stored layers are read (the others' parts of ``out`` are left as they are;
-        default: every layer). Raises
-        `CorruptBlockError` when a block is missing or damaged; the caller quarantines
-        the file (`quarantine`) and matches again.
+        read again; ``decode`` marks the reads as decode-only (see `read_blocks`).
+        ``layers``: only these stored layers are read (the others' parts of ``out`` are
+        left as they are; default: every layer). Raises `CorruptBlockError` when a block
+        is missing or damaged; the caller quarantines the file (`quarantine`) and matches
+        again.
         """
         return load_layout(self.spec, self.layout(segments), self.start_layout, out, known, decode, layers)
 
@@ -363,6 +359,11 @@ class ImpressStore:
         return self._io.start_layout(
             layout, kind, layers, units, shares, decode=decode, known=known, place_hits=place_hits, inline=inline
         )
+
+    def start_rows(self, layout: PrefixLayout, layer: int, out: torch.Tensor) -> RowsRead | None:
+        """Every row of ``layer`` read from disk straight into ``out``, or ``None``: `BlockIO.start_rows`."""
+        self._check_open()
+        return self._io.start_rows(layout, layer, out)
 
     def resident_rows(self, layout: PrefixLayout, layer: int) -> list[torch.Tensor] | None:
         """Every row of ``layer`` of a prefix as views of slabs held in the memory tiers,

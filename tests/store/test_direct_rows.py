@@ -1,0 +1,173 @@
+"""Exact reuse read straight into a layer's buffer (`store.direct`, `storage.placed`)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from conftest import VOCAB, tiny_model
+from helpers import assert_same_as_uncached
+from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, ImpressStore
+from impress_cache.storage import KV
+from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
+
+TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
+_MODEL = None
+
+
+def _model():
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = tiny_model("llama")
+    return _MODEL
+
+
+def _kv(layers, heads, n, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(heads, n, dim, generator=g).to(dtype) for _ in range(layers)]
+    vs = [torch.randn(heads, n, dim, generator=g).to(dtype) for _ in range(layers)]
+    return ks, vs
+
+
+def _buffer(store, rows, room):
+    """A layer buffer as the dense loader makes it: ``[2, 1, heads, rows + room, dim]``, filled with NaN."""
+    spec = store.spec
+    return torch.full((2, 1, spec.num_kv_heads, rows + room, spec.head_dim), float("nan"), dtype=spec.torch_kv_dtype)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(2, 60), min_size=1, max_size=4),
+    cut=st.integers(1, 59),
+    chunk=st.integers(1, 20),
+    room=st.integers(0, 9),
+    kind=st.sampled_from([("safetensors", "float32"), ("safetensors", "bfloat16"), ("hdf5", "float32")]),
+    seed=st.integers(0, 1000),
+)
+def test_rows_read_into_a_buffer_are_the_stored_rows(tmp_path_factory, lengths, cut, chunk, room, kind, seed):
+    """Prompts sharing prefixes are stored across files (partial first and last blocks,
+    short last blocks; both chunk formats); every row of every layer lands where the pool path puts it, and
+    the rows after the prefix are left alone."""
+    model = _model()
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, 256, (60,), generator=g).tolist()
+    fmt, dtype = kind
+    cfg = ImpressConfig(chunk_tokens=chunk, fsync=False, kv_dtype=dtype, **TIERS_OFF)
+    with ImpressStore(tmp_path_factory.mktemp("kv"), model, cfg, storage_format=fmt) as store:
+        spec = store.spec
+        ks, vs = _kv(spec.num_layers, spec.num_kv_heads, 60, spec.head_dim, spec.torch_kv_dtype, seed)
+        for n in lengths:
+            store.put(base[:n], [k[:, :n] for k in ks], [v[:, :n] for v in vs])
+        q = base[: min(cut, max(lengths))]
+        m = store.match(q)
+        lay = store.layout(m.segments)
+        before = _counted(store)
+        for layer in range(spec.num_layers):
+            buf = _buffer(store, len(q), room)
+            read = store.start_rows(lay, layer, buf[:, 0, :, : len(q)])
+            assert read is not None
+            stats = read.result()
+            assert stats.disk_blocks == len(lay.at(layer).units_all())
+            assert torch.equal(buf[0, 0, :, : len(q)], ks[layer][:, : len(q)])
+            assert torch.equal(buf[1, 0, :, : len(q)], vs[layer][:, : len(q)])
+            assert bool(buf[:, :, :, len(q) :].float().isnan().all())
+        direct = {k: v - before[k] for k, v in _counted(store).items()}
+        before = _counted(store)
+        store.load(m.segments)  # the pool path counts the same read the same way
+        assert direct == {k: v - before[k] for k, v in _counted(store).items()}
+        assert direct["blocks_read"] > 0
+
+
+def _counted(store):
+    s = store.stats()
+    return {
+        "blocks_read": s["blocks_read"], "kv_bytes_read_disk": s["kv_bytes_read_disk"],
+        "important_rows_needed": s["important_rows_needed"], "disk_blocks": s["lookups"]["kv"]["disk"]["blocks"],
+        "disk_bytes": s["lookups"]["kv"]["disk"]["bytes"], "invalid_io_ratio": s["invalid_io_ratio"],
+    }
+
+
+def test_the_pool_path_reads_where_rows_cannot_go_straight(tmp_path):
+    """With the memory tiers on, a ``kv_codec`` or a destination of another dtype the
+    direct read declines (the pool path reads, admits and decodes)."""
+    model = _model()
+    toks = list(range(3, 40))
+    for cfg, dtype in (
+        (ImpressConfig(chunk_tokens=8, fsync=False), None),
+        (ImpressConfig(chunk_tokens=8, fsync=False, kv_codec="int8", **TIERS_OFF), None),
+        (ImpressConfig(chunk_tokens=8, fsync=False, **TIERS_OFF), torch.float64),
+    ):
+        d = tmp_path / f"s{len(list(tmp_path.iterdir()))}"
+        with ImpressStore(d, model, cfg) as store:
+            spec = store.spec
+            ks, vs = _kv(spec.num_layers, spec.num_kv_heads, len(toks), spec.head_dim, torch.float32, 0)
+            store.put(toks, ks, vs)
+            lay = store.layout(store.match(toks).segments)
+            out = torch.empty(2, spec.num_kv_heads, len(toks), spec.head_dim, dtype=dtype or spec.torch_kv_dtype)
+            assert store.start_rows(lay, 0, out) is None
+
+
+def _flip_first_kv_block_byte(store, path, layer=0):
+    """Flip a byte inside block 0 of ``layer``'s K/V (found through the block table)."""
+    f = store._catalog.open_file(next(iter(store._catalog.records)))
+    at = int(f.table.offsets[KV, layer, 0]) + 100
+    raw = bytearray(f.path.read_bytes())
+    raw[at] ^= 0xFF
+    f.path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_byte_is_caught_before_its_block_is_placed(tmp_path):
+    """A flipped byte in a block read straight into the buffer raises
+    `CorruptBlockError` naming the file, and none of that block's rows reach the buffer."""
+    model = _model()
+    toks = list(range(3, 67))
+    cfg = ImpressConfig(chunk_tokens=16, fsync=False, **TIERS_OFF)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        spec = store.spec
+        ks, vs = _kv(spec.num_layers, spec.num_kv_heads, len(toks), spec.head_dim, torch.float32, 1)
+        store.put(toks, ks, vs)
+        _flip_first_kv_block_byte(store, tmp_path)
+        lay = store.layout(store.match(toks).segments)
+        buf = _buffer(store, len(toks), 0)
+        read = store.start_rows(lay, 0, buf[:, 0])
+        assert read is not None
+        with pytest.raises(CorruptBlockError) as err:
+            read.result()
+        assert err.value.file_id == next(iter(store._catalog.records))
+        assert bool(buf[:, 0, :, :16].isnan().all())  # block 0: never placed
+        # the other layers are intact and read exact
+        read = store.start_rows(lay, 1, buf[:, 0])
+        read.result()
+        assert torch.equal(buf[0, 0], ks[1]) and torch.equal(buf[1, 0], vs[1])
+
+
+def test_exact_reuse_with_tiers_off_reads_straight_into_the_buffers(tmp_path):
+    """generate with the tiers off takes the direct path for every layer and matches
+    generate without a cache; a damaged file is quarantined and the output stays exact."""
+    model = tiny_model("llama")
+    doc = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=1.0, **TIERS_OFF)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        assert_same_as_uncached(model, store, doc)
+        calls = []
+        start_rows = store.start_rows
+
+        def counted(*args, **kwargs):
+            got = start_rows(*args, **kwargs)
+            calls.append(got is not None)
+            return got
+
+        store.start_rows = counted
+        ids = torch.cat([doc, doc[:, :4]], dim=1)
+        c = assert_same_as_uncached(model, store, ids)
+        assert c.stats.matched_tokens == 70
+        assert calls == [True] * model.config.num_hidden_layers
+        assert c.stats.blocks_read == model.config.num_hidden_layers * 5
+    with ImpressStore(tmp_path, model, cfg) as store:
+        f = next((tmp_path / CHUNK_DIR).iterdir())
+        _flip_first_kv_block_byte(store, tmp_path, layer=1)
+        c = assert_same_as_uncached(model, store, ids)
+        assert c.stats.recomputed_layers >= 1
+        assert not f.exists() and any((tmp_path / QUARANTINE_DIR).iterdir())
