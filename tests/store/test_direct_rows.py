@@ -12,16 +12,9 @@ from helpers import assert_same_as_uncached
 from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.storage import KV
 from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
+from test_reorder import _model
 
 TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
-_MODEL = None
-
-
-def _model():
-    global _MODEL
-    if _MODEL is None:
-        _MODEL = tiny_model("llama")
-    return _MODEL
 
 
 def _kv(layers, heads, n, dim, dtype, seed):
