@@ -241,3 +241,40 @@ def test_disk_bytes_are_counted_as_the_pool_path_counts_them(tmp_path):
             pool = store.start_layout(lay, KV, [layer], lay.at(layer).units_all(), place_hits=False).result().stats
             assert (direct.disk_bytes, direct.disk_blocks) == (pool.disk_bytes, pool.disk_blocks)
             assert torch.equal(buf[0, 0], ks[layer]) and torch.equal(buf[1, 0], vs[layer])
+
+
+def test_a_linked_file_is_filled_then_read_straight_into_the_buffers(bucket, tmp_path):
+    """Host a stores a document; host b, tiers off, links it with a sparse request (only
+    the selected blocks arrive), then reuses it exactly: the direct read makes the rest
+    of every layer's blocks present first (`before`) and the output matches generate
+    without a cache."""
+    from conftest import BUCKET
+
+    server, prefix, _ = bucket
+    model = _model()
+    doc = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(4))
+    remote = {"remote": f"s3://{BUCKET}/{prefix}", "remote_options": server.options, "remote_retry_s": 0.5}
+    with ImpressStore(tmp_path / "a", model, ImpressConfig(chunk_tokens=16, important_ratio=1.0, fsync=False, **remote)) as a:
+        assert_same_as_uncached(model, a, doc)
+    sparse = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", prefetch=False, fsync=False, **TIERS_OFF, **remote)
+    tail = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(9))
+    with ImpressStore(tmp_path / "b", model, sparse) as b:
+        c = ImpressCache(b)
+        run(model, torch.cat([doc, tail], dim=1), cache=c)
+        assert c.stats.matched_tokens == 150
+    exact = ImpressConfig(chunk_tokens=16, important_ratio=1.0, fsync=False, **TIERS_OFF, **remote)
+    with ImpressStore(tmp_path / "b", model, exact) as b:
+        fid = b.match(doc[0].numpy()).segments[0].file_id
+        assert b._io.fill is not None and b._io.fill.linked(b._catalog.records[fid].name, fid)
+        calls = []
+        start_rows = b.start_rows
+
+        def counted(*args, **kwargs):
+            got = start_rows(*args, **kwargs)
+            calls.append(got is not None)
+            return got
+
+        b.start_rows = counted
+        c = assert_same_as_uncached(model, b, torch.cat([doc, tail[:, :3]], dim=1))
+        assert c.stats.matched_tokens == 150 and c.stats.recomputed_layers == 0
+        assert calls == [True] * model.config.num_hidden_layers
