@@ -278,3 +278,21 @@ def test_a_linked_file_is_filled_then_read_straight_into_the_buffers(bucket, tmp
         c = assert_same_as_uncached(model, b, torch.cat([doc, tail[:, :3]], dim=1))
         assert c.stats.matched_tokens == 150 and c.stats.recomputed_layers == 0
         assert calls == [True] * model.config.num_hidden_layers
+
+
+def test_a_damaged_first_layer_recomputes_while_later_layers_are_in_flight(tmp_path):
+    """Six layers, the first one's block damaged: the loader has the next layers' direct
+    reads in flight into buffers of their own when the first fails; the request
+    quarantines the file and recomputes every layer, and the output is exact (no late
+    reader writes into a buffer the model uses)."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    doc = torch.randint(3, VOCAB, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=1.0, **TIERS_OFF)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        assert_same_as_uncached(model, store, doc)
+    ids = torch.cat([doc, doc[:, :5]], dim=1)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        _flip_first_kv_block_byte(store, tmp_path, layer=0)
+        c = assert_same_as_uncached(model, store, ids)
+        assert c.stats.recomputed_layers == 6 and c.stats.quarantined_files == 1
+        assert_same_as_uncached(model, store, ids)  # the file is gone: nothing (or less) reused, still exact
