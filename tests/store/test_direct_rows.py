@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from conftest import VOCAB, tiny_model
-from helpers import assert_same_as_uncached
+from helpers import assert_same_as_uncached, run
 from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.storage import KV
+from impress_cache.storage.placed import STAGE_BYTES
 from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
 from test_reorder import _model
 
@@ -164,3 +167,125 @@ def test_exact_reuse_with_tiers_off_reads_straight_into_the_buffers(tmp_path):
         c = assert_same_as_uncached(model, store, ids)
         assert c.stats.recomputed_layers >= 1
         assert not f.exists() and any((tmp_path / QUARANTINE_DIR).iterdir())
+
+
+def _int_stats(stats):
+    """A request's counters (ints, no timings) as a dict."""
+    return {k: v for k, v in vars(stats).items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_batch_reads_the_same_as_the_pool_path(tmp_path, dtype):
+    """Two left-padded batch rows with prefixes of different lengths (partial first and
+    last blocks, stored across two files), the stored dtype float32 or bfloat16: the
+    direct read gives the pool path's logits bit for bit and the same request counters."""
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(3, VOCAB, (1, 53), generator=g)
+    cfg = ImpressConfig(chunk_tokens=7, important_ratio=1.0, kv_dtype=dtype, fsync=False, **TIERS_OFF)
+    with ImpressStore(tmp_path / "a", model, cfg) as store:
+        run(model, doc[:, :30], cache=ImpressCache(store))
+        store.flush()
+        run(model, doc, cache=ImpressCache(store))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # each run stores its prompt: the other reads a copy
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    ids[0, 3:] = torch.cat([doc[0, :50], torch.tensor([9] * 7)])
+    ids[1, 9:] = torch.cat([doc[0, :44], torch.tensor([11] * 7)])
+    mask = (torch.arange(60) >= torch.tensor([[3], [9]])).long()
+    with ImpressStore(tmp_path / "a", model, cfg) as store:
+        calls = []
+        start_rows = store.start_rows
+
+        def counted(*args, **kwargs):
+            got = start_rows(*args, **kwargs)
+            calls.append(got is not None)
+            return got
+
+        store.start_rows = counted
+        direct = ImpressCache(store)
+        seq, logits = run(model, ids, mask, direct)
+    assert calls == [True] * (2 * model.config.num_hidden_layers)
+    with ImpressStore(tmp_path / "b", model, cfg) as store:
+        store.start_rows = lambda *args, **kwargs: None  # the pool path
+        pool = ImpressCache(store)
+        seq_pool, logits_pool = run(model, ids, mask, pool)
+    assert direct.stats.reused_columns == pool.stats.reused_columns > 40
+    assert torch.equal(seq, seq_pool) and torch.equal(logits, logits_pool)
+    assert _int_stats(direct.stats) == _int_stats(pool.stats)
+
+
+def test_disk_bytes_are_counted_as_the_pool_path_counts_them(tmp_path):
+    """Blocks that are not 4 KiB multiples (padding between them) and a layer longer
+    than a staging buffer: the bytes read from the device (gaps inside a read included)
+    are those the pool path reports for the same layer."""
+    model = _model()
+    cfg = ImpressConfig(chunk_tokens=15, fsync=False, **TIERS_OFF)  # 15 rows of 256 bytes: 3840, padded to 4096
+    n = 4500  # 300 blocks: three staging runs, in two shares
+    with ImpressStore(tmp_path, model, cfg) as store:
+        spec = store.spec
+        ks, vs = _kv(spec.num_layers, spec.num_kv_heads, n, spec.head_dim, spec.torch_kv_dtype, 2)
+        toks = [3 + i % 200 for i in range(n)]
+        store.put(toks, ks, vs)
+        lay = store.layout(store.match(toks).segments)
+        assert n * spec.kv_row_bytes > 2 * STAGE_BYTES
+        for layer in range(spec.num_layers):
+            buf = _buffer(store, n, 0)
+            direct = store.start_rows(lay, layer, buf[:, 0]).result()
+            pool = store.start_layout(lay, KV, [layer], lay.at(layer).units_all(), place_hits=False).result().stats
+            assert (direct.disk_bytes, direct.disk_blocks) == (pool.disk_bytes, pool.disk_blocks)
+            assert torch.equal(buf[0, 0], ks[layer]) and torch.equal(buf[1, 0], vs[layer])
+
+
+def test_a_linked_file_is_filled_then_read_straight_into_the_buffers(bucket, tmp_path):
+    """Host a stores a document; host b, tiers off, links it with a sparse request (only
+    the selected blocks arrive), then reuses it exactly: the direct read makes the rest
+    of every layer's blocks present first (`before`) and the output matches generate
+    without a cache."""
+    from conftest import BUCKET
+
+    server, prefix, _ = bucket
+    model = _model()
+    doc = torch.randint(3, VOCAB, (1, 150), generator=torch.Generator().manual_seed(4))
+    remote = {"remote": f"s3://{BUCKET}/{prefix}", "remote_options": server.options, "remote_retry_s": 0.5}
+    with ImpressStore(tmp_path / "a", model, ImpressConfig(chunk_tokens=16, important_ratio=1.0, fsync=False, **remote)) as a:
+        assert_same_as_uncached(model, a, doc)
+    sparse = ImpressConfig(chunk_tokens=16, important_ratio=0.25, decode="keep", prefetch=False, fsync=False, **TIERS_OFF, **remote)
+    tail = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(9))
+    with ImpressStore(tmp_path / "b", model, sparse) as b:
+        c = ImpressCache(b)
+        run(model, torch.cat([doc, tail], dim=1), cache=c)
+        assert c.stats.matched_tokens == 150
+    exact = ImpressConfig(chunk_tokens=16, important_ratio=1.0, fsync=False, **TIERS_OFF, **remote)
+    with ImpressStore(tmp_path / "b", model, exact) as b:
+        fid = b.match(doc[0].numpy()).segments[0].file_id
+        assert b._io.fill is not None and b._io.fill.linked(b._catalog.records[fid].name, fid)
+        calls = []
+        start_rows = b.start_rows
+
+        def counted(*args, **kwargs):
+            got = start_rows(*args, **kwargs)
+            calls.append(got is not None)
+            return got
+
+        b.start_rows = counted
+        c = assert_same_as_uncached(model, b, torch.cat([doc, tail[:, :3]], dim=1))
+        assert c.stats.matched_tokens == 150 and c.stats.recomputed_layers == 0
+        assert calls == [True] * model.config.num_hidden_layers
+
+
+def test_a_damaged_first_layer_recomputes_while_later_layers_are_in_flight(tmp_path):
+    """Six layers, the first one's block damaged: the loader has the next layers' direct
+    reads in flight into buffers of their own when the first fails; the request
+    quarantines the file and recomputes every layer, and the output is exact (no late
+    reader writes into a buffer the model uses)."""
+    model = tiny_model("llama", num_hidden_layers=6)
+    doc = torch.randint(3, VOCAB, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=1.0, **TIERS_OFF)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        assert_same_as_uncached(model, store, doc)
+    ids = torch.cat([doc, doc[:, :5]], dim=1)
+    with ImpressStore(tmp_path, model, cfg) as store:
+        _flip_first_kv_block_byte(store, tmp_path, layer=0)
+        c = assert_same_as_uncached(model, store, ids)
+        assert c.stats.recomputed_layers == 6 and c.stats.quarantined_files == 1
+        assert_same_as_uncached(model, store, ids)  # the file is gone: nothing (or less) reused, still exact

@@ -149,7 +149,12 @@ class BlockReader:
         # file order by one reader thread through its own staging buffer
         runs = self._runs(g, STAGE_BYTES)
         k = min(len(runs), PLACED_SHARES, self._threads)
-        return [self._pool.submit(_read_placed, g, runs[i * len(runs) // k : (i + 1) * len(runs) // k]) for i in range(k)]
+        cuts = [i * len(runs) // k for i in range(k + 1)]
+        ends = g.offsets + g.nbytes  # (a share after the first counts the gap before it: ``after``)
+        return [
+            self._pool.submit(_read_placed, g, runs[a:b], None if a == 0 else int(ends[runs[a - 1][-1]]))
+            for a, b in zip(cuts[:-1], cuts[1:])
+        ]
 
     def _runs(self, g: FileBlocks, max_bytes: int | None = None) -> list[np.ndarray]:
         """The group's blocks cut into runs, each read with one ``preadv`` (a run is at
@@ -247,9 +252,13 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
     return end - start
 
 
-def _read_placed(g: FileBlocks, runs: list[np.ndarray]) -> int:
+def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None) -> int:
     """Read each run of ``g`` (sorted by offset) into this thread's staging buffer with
-    one ``preadv``, verify every block there, then place its rows (`placed.place`)."""
+    one ``preadv``, verify every block there, then place its rows (`placed.place`).
+
+    Returns the bytes read counted as `_read_run`'s merged reads count them: a gap of
+    less than a page between two runs (cut only to fit the staging buffer; ``after``:
+    where the run before the first one ends) counts as read, as inside one run."""
     assert g.place is not None
     fd = g.fd if g.fd is not None else open_chunk_file(g.path, g.file_id)
     total = 0
@@ -275,6 +284,9 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray]) -> int:
                     raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {start + r} ({n} bytes)", g.file_id)
             place(g.place, idx, rel, sizes, stage)
             total += end - start
+            if after is not None and 0 <= start - after < ALIGN:
+                total += start - after
+            after = end
     finally:
         if g.fd is None:
             os.close(fd)
