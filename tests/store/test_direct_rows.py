@@ -139,6 +139,20 @@ def test_a_damaged_byte_is_caught_before_its_block_is_placed(tmp_path):
         assert torch.equal(buf[0, 0], ks[1]) and torch.equal(buf[1, 0], vs[1])
 
 
+def _record_direct(store):
+    """Make ``store.start_rows`` record, per call, whether the direct path was taken."""
+    calls = []
+    start_rows = store.start_rows
+
+    def counted(*args, **kwargs):
+        got = start_rows(*args, **kwargs)
+        calls.append(got is not None)
+        return got
+
+    store.start_rows = counted
+    return calls
+
+
 def test_exact_reuse_with_tiers_off_reads_straight_into_the_buffers(tmp_path):
     """generate with the tiers off takes the direct path for every layer and matches
     generate without a cache; a damaged file is quarantined and the output stays exact."""
@@ -147,15 +161,7 @@ def test_exact_reuse_with_tiers_off_reads_straight_into_the_buffers(tmp_path):
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=1.0, **TIERS_OFF)
     with ImpressStore(tmp_path, model, cfg) as store:
         assert_same_as_uncached(model, store, doc)
-        calls = []
-        start_rows = store.start_rows
-
-        def counted(*args, **kwargs):
-            got = start_rows(*args, **kwargs)
-            calls.append(got is not None)
-            return got
-
-        store.start_rows = counted
+        calls = _record_direct(store)
         ids = torch.cat([doc, doc[:, :4]], dim=1)
         c = assert_same_as_uncached(model, store, ids)
         assert c.stats.matched_tokens == 70
@@ -193,15 +199,7 @@ def test_padded_batch_reads_the_same_as_the_pool_path(tmp_path, dtype):
     ids[1, 9:] = torch.cat([doc[0, :44], torch.tensor([11] * 7)])
     mask = (torch.arange(60) >= torch.tensor([[3], [9]])).long()
     with ImpressStore(tmp_path / "a", model, cfg) as store:
-        calls = []
-        start_rows = store.start_rows
-
-        def counted(*args, **kwargs):
-            got = start_rows(*args, **kwargs)
-            calls.append(got is not None)
-            return got
-
-        store.start_rows = counted
+        calls = _record_direct(store)
         direct = ImpressCache(store)
         seq, logits = run(model, ids, mask, direct)
     assert calls == [True] * (2 * model.config.num_hidden_layers)
@@ -259,15 +257,7 @@ def test_a_linked_file_is_filled_then_read_straight_into_the_buffers(bucket, tmp
     with ImpressStore(tmp_path / "b", model, exact) as b:
         fid = b.match(doc[0].numpy()).segments[0].file_id
         assert b._io.fill is not None and b._io.fill.linked(b._catalog.records[fid].name, fid)
-        calls = []
-        start_rows = b.start_rows
-
-        def counted(*args, **kwargs):
-            got = start_rows(*args, **kwargs)
-            calls.append(got is not None)
-            return got
-
-        b.start_rows = counted
+        calls = _record_direct(b)
         c = assert_same_as_uncached(model, b, torch.cat([doc, tail[:, :3]], dim=1))
         assert c.stats.matched_tokens == 150 and c.stats.recomputed_layers == 0
         assert calls == [True] * model.config.num_hidden_layers
