@@ -25,7 +25,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one intra-op thread per pytest-xdist worker (scripts/test.sh runs two on CI's two
+# cores), up to two in a single process
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 VOCAB = 256
 _COMMON = dict(

