@@ -116,42 +116,30 @@ def test_query_capture_sees_the_cache_under_either_spelling(tmp_path, spelling):
         assert all(sel[0].numel() == 32 for sel in cache.selections.values())
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "qwen3",
-        "gemma3_text",
-        "llama",
-        pytest.param(
-            "exaone4",
-            marks=pytest.mark.xfail(strict=True, reason="EXAONE 4's global layers use no RoPE; the hook rotates their queries"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "llama", "exaone4", "smollm3"])
 @pytest.mark.parametrize("new", [4, 12])
 def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, family, new):
-    """The queries a sparse prefill sees are the ones the attention computes, whether the
-    family norms them before the transpose (Qwen 3) or after it (Gemma 3, EXAONE 4: the
-    norm's output is already heads-first), also when the new tokens are as many as the
-    heads (4: the shape alone cannot tell the two layouts apart)."""
+    """The queries a sparse prefill sees are the ones the attention computes with: normed
+    before the transpose (Qwen 3) or after it (Gemma 3, EXAONE 4: the norm's output is
+    already heads-first), also when the new tokens are as many as the heads (4: the shape
+    alone cannot tell the two layouts apart), rotated where the attention rotates them
+    and not in layers without position embeddings (EXAONE 4's global layers, SmolLM3's
+    every fourth)."""
     import sys
 
     from families import family_model
 
     layer_types = ["sliding_attention", "full_attention"] * 2  # full layers: where the queries are used
-    model = family_model(family, **({"layer_types": layer_types} if family in ("gemma3_text", "exaone4") else {}))
+    model = family_model(family, attn="eager", **({"layer_types": layer_types} if family in ("gemma3_text", "exaone4") else {}))
     attns = [layer.self_attn for layer in model.model.layers]
     modeling = sys.modules[type(attns[0]).__module__]
-    current: list[int] = []
     own: dict[int, torch.Tensor] = {}
     seen: dict[int, torch.Tensor] = {}
-    rotate = modeling.apply_rotary_pos_emb
+    attend = modeling.eager_attention_forward
 
-    def recording_rotate(q, k, cos, sin, *args, **kwargs):
-        out = rotate(q, k, cos, sin, *args, **kwargs)
-        if q is not k:  # the attention's own call (the capture hook rotates q with itself as k)
-            own.setdefault(current[-1], out[0].detach().clone())
-        return out
+    def recording_attend(module, query, *args, **kwargs):  # the queries the attention uses
+        own.setdefault(module.layer_idx, query[..., -new:, :].detach().clone())
+        return attend(module, query, *args, **kwargs)
 
     capture = ImpressCache.capture_queries
 
@@ -163,18 +151,16 @@ def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, fami
     store_dense(tmp_path, model, doc)
     cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
     with ImpressStore(tmp_path, model, cfg) as store, caplog.at_level("WARNING"):
-        handles = [a.register_forward_pre_hook(lambda m, args: current.append(m.layer_idx)) for a in attns]
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", recording_rotate)
+        monkeypatch.setattr(modeling, "eager_attention_forward", recording_attend)
         monkeypatch.setattr(ImpressCache, "capture_queries", recording_capture)
-        try:
-            run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)  # the prefill only
-        finally:
-            for h in handles:
-                h.remove()
+        run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)  # the prefill only
     assert "cannot be captured" not in caplog.text
     full = [i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * len(attns)) if t == "full_attention"]
     assert full and set(full) <= set(seen)
+    if family == "exaone4":  # the case the capture must not rotate is there
+        assert not any(attns[i].sliding_window is None or attns[i].is_sliding for i in full)
+    if family == "smollm3":
+        assert not all(a.use_rope for a in attns)
     for i in full:
-        assert i in own, f"layer {i}: the attention rotated no queries"
         assert seen[i].shape == own[i].shape == (1, 4, new, 16)
         torch.testing.assert_close(seen[i], own[i])

@@ -25,7 +25,8 @@ cache, ``inputs_embeds``, assisted decoding) runs as if the hooks were not there
 * on every attention module with a ``q_proj``, a pre-hook notes the rotary
   ``position_embeddings`` when a sparse prefill needs the layer's queries, and a forward
   hook on the module producing the queries (``q_norm`` where the architecture has one,
-  else ``q_proj``) rotates its output and hands it to the cache. Nothing is recomputed.
+  else ``q_proj``) rotates its output (as the attention does: not in layers without
+  position embeddings) and hands it to the cache. Nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -213,6 +214,24 @@ def _rotate(attn: torch.nn.Module, q: torch.Tensor, rope: Any) -> torch.Tensor:
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
 
 
+#: families whose full-attention layers take no rotary embedding in a model with a sliding
+#: window (their attention rotates ``if self.sliding_window is None or self.is_sliding``)
+_UNROTATED_GLOBAL = frozenset({"exaone4", "exaone4_5", "exaone_moe"})
+
+
+def _rotates(attn: torch.nn.Module) -> bool:
+    """Whether ``attn`` rotates its queries: not in the layers without position embeddings
+    (NoPE) of SmolLM3 and Llama 4 (``use_rope`` false) and of the EXAONE 4 families' global
+    layers."""
+    use_rope = getattr(attn, "use_rope", None)
+    if use_rope is not None:
+        return bool(use_rope)
+    family = type(attn).__module__.rpartition(".modeling_")[2]
+    if family in _UNROTATED_GLOBAL:
+        return getattr(attn, "sliding_window", None) is None or bool(getattr(attn, "is_sliding", False))
+    return True
+
+
 def _heads_first(out: torch.Tensor, positions: int | None) -> bool:
     """Whether a 4-D output of a query norm is ``[batch, heads, n, head_dim]`` already
     (Gemma 3, EXAONE 4 norm the queries after the transpose) rather than ``[batch, n,
@@ -266,7 +285,7 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
                     q = output
                 else:
                     q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
-                if rope is not None:
+                if rope is not None and _rotates(attn):
                     q = _rotate(attn, q, rope)
             except (RuntimeError, TypeError, ValueError) as exc:  # a family that rotates queries its own way
                 _warn_once(type(attn).__name__, exc)
