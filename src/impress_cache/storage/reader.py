@@ -290,7 +290,7 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
     assert g.place is not None
     fd = g.fd if g.fd is not None else open_chunk_file(g.path, g.file_id)
     dfd = g.direct_fd if g.fd is not None else None
-    total = direct = refused = 0
+    total = direct = buffered = refused = 0
     lo = int(g.offsets[runs[0][0]]) if runs else 0
     hi = int(g.offsets[runs[-1][-1]] + g.nbytes[runs[-1][-1]]) if runs else 0
     try:
@@ -308,11 +308,8 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
             start = int(offsets[0])
             end = int(offsets[-1] + sizes[-1])
             stage = stage_buffer(align_up(end - start))
-            got = 0
-            if dfd is not None and start % ALIGN == 0:
-                got = _read_direct(dfd, stage, start, end, g)
-                direct += got > 0
-                refused += got < 0
+            got = _read_direct(dfd, stage, start, end, g) if dfd is not None and start % ALIGN == 0 else 0
+            direct, buffered, refused = direct + (got > 0), buffered + (got == 0), refused + (got < 0)
             if got < end - start:
                 _preadv_all(fd, [stage[max(got, 0) : end - start]], start + max(got, 0), g, end)
             stage = stage[: end - start]
@@ -331,7 +328,7 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
         if g.fd is None:
             os.close(fd)
         if g.counts is not None:
-            g.counts.add(direct, len(runs) - direct - refused, refused)
+            g.counts.add(direct, buffered, refused)
     return total
 
 
