@@ -7,9 +7,11 @@
 SmolLM2-135M's shapes (30 layers, 3 KV heads, head_dim 64, float32, 16-token blocks),
 random K/V stored once (``store.put``), memory tiers off. Each run builds a
 `DenseLoader` for the whole prefix (as exact reuse does) and takes every layer's buffer
-in order, guest-cold (``--warm``: from the page cache). Two ways, alternating within
-one process: ``direct`` (rows read from disk straight into the layer's buffer,
-`store/direct.py`) and ``pool`` (the store's ``start_rows`` switched off: blocks read
+in order, guest-cold (``--warm``: from the page cache; ``O_DIRECT`` reads the device
+even then). Three ways, alternating within one process: ``direct`` (rows read from
+disk straight into the layer's buffer, `store/direct.py`, with ``O_DIRECT`` where the
+file system allows it), ``buffered`` (the same through the page cache: the store's
+``direct_io`` off) and ``pool`` (the store's ``start_rows`` switched off: blocks read
 into a pool, then gathered into the buffer on the loader thread). Reported per way:
 median wall seconds and median process CPU seconds (every thread; the CPU the reads
 take from a prefill running beside them). The layer buffers are kept until the run
@@ -49,7 +51,8 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
         store.put(toks, ks, vs)
         lay = store.layout(store.match(toks[:n]).segments)
         direct = store.start_rows
-        ways = {w: f for w, f in (("direct", direct), ("pool", lambda *a, **k: None)) if w in args.ways}
+        no_rows = lambda *a, **k: None  # noqa: E731
+        ways = {w: f for w, f in (("direct", direct), ("buffered", direct), ("pool", no_rows)) if w in args.ways}
         if args.pause:  # time to attach a profiler: perf record -g -a -p PID
             print(f"pid {os.getpid()}: runs start in {args.pause} s", flush=True)
             time.sleep(args.pause)
@@ -57,6 +60,7 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
         for _ in range(args.repeats):
             for way, start_rows in ways.items():
                 store.start_rows = start_rows  # type: ignore[method-assign]
+                store._io.direct_io = way == "direct"  # (the config's `direct_io`, switched per run)
                 if not args.warm:
                     drop_page_cache(path)
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -67,6 +71,8 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
                     assert torch.equal(bufs[i][0, 0, :, :n], ks[i][:, :n]) and torch.equal(bufs[i][1, 0, :, :n], vs[i][:, :n])
                 del bufs
         store.start_rows = direct  # type: ignore[method-assign]
+        st = store.stats()
+        out["runs"] = {k: st[k] for k in ("runs_direct_io", "runs_buffered", "runs_direct_io_refused")}
     for way, rows in runs.items():
         out[way] = {
             "wall_s": statistics.median(r[0] for r in rows),
@@ -75,9 +81,10 @@ def run_length(model, n: int, args: argparse.Namespace, work: Path) -> dict:  # 
             "cpu_runs_s": [round(r[1], 4) for r in rows],
         }
         print(f"  {n:6d} {way:7s} wall {out[way]['wall_s']:.3f} s  cpu {out[way]['cpu_s']:.3f} s", flush=True)
-    if len(runs) == 2:
-        out["direct_vs_pool_wall"] = out["direct"]["wall_s"] / out["pool"]["wall_s"]
-        out["direct_vs_pool_cpu"] = out["direct"]["cpu_s"] / out["pool"]["cpu_s"]
+    for a, b in (("direct", "pool"), ("direct", "buffered"), ("buffered", "pool")):
+        if a in runs and b in runs:
+            out[f"{a}_vs_{b}_wall"] = out[a]["wall_s"] / out[b]["wall_s"]
+            out[f"{a}_vs_{b}_cpu"] = out[a]["cpu_s"] / out[b]["cpu_s"]
     return out
 
 
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8000])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--warm", action="store_true", help="read from the page cache (default: guest-cold)")
-    p.add_argument("--ways", nargs="+", choices=["direct", "pool"], default=["direct", "pool"])
+    p.add_argument("--ways", nargs="+", choices=["direct", "buffered", "pool"], default=["direct", "buffered", "pool"])
     p.add_argument("--pause", type=float, default=0.0, help="print the pid and wait this long before the runs")
     p.add_argument("--out", default="results/exact-read.json")
     args = p.parse_args(argv)

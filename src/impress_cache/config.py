@@ -142,6 +142,14 @@ class ImpressConfig:
         is created: opening it with another codec raises `ConfigError`.
     io_threads:
         Threads issuing ``preadv`` requests in parallel (requests in flight).
+    direct_io:
+        How exact reuse from disk reads its blocks straight into a layer's buffer (the
+        memory tiers off, no ``kv_codec``): ``True`` with ``O_DIRECT`` (no copy from
+        the page cache and no page-cache bookkeeping; the device is read even where the
+        blocks are cached); ``False`` through the page cache; ``"auto"`` (default)
+        with ``O_DIRECT`` unless most of a layer's range of a file is in the page cache
+        (Linux ``cachestat``; without it, like ``True``). A file system that refuses
+        ``O_DIRECT`` is read through the page cache (docs: Performance).
     device_bytes, host_bytes:
         Byte budgets of the two memory tiers that cache K/V blocks: the device tier
         (on the model's device; on a CPU-only machine a separately budgeted CPU
@@ -260,6 +268,7 @@ class ImpressConfig:
     kv_dtype: str = "auto"
     kv_codec: str | None = None
     io_threads: int = 8
+    direct_io: bool | str = "auto"
     device_bytes: int = 256 * 2**20
     host_bytes: int = 1024 * 2**20
     disk_bytes: int | None = None
@@ -313,6 +322,8 @@ class ImpressConfig:
         check_int("keep_reselect", self.keep_reselect, 0)
         check_number("keep_reselect_decay", self.keep_reselect_decay, 0.0, 1.0)
         check_int("io_threads", self.io_threads, 1, 256)
+        if self.direct_io not in (True, False, "auto") or not isinstance(self.direct_io, (bool, str)):
+            raise ConfigError(f'direct_io must be True, False or "auto", got {self.direct_io!r}')
         if not isinstance(self.prefetch, bool):
             check_choice("prefetch", self.prefetch, PREFETCH_MODES)
         for name in ("fsync", "refresh_new_tokens"):

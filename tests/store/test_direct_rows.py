@@ -15,6 +15,7 @@ from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, Impres
 from impress_cache.storage import KV
 from impress_cache.storage.placed import STAGE_BYTES
 from impress_cache.store import CHUNK_DIR, QUARANTINE_DIR
+from impress_cache.tools import drop_page_cache
 from test_reorder import _model
 
 TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
@@ -41,21 +42,28 @@ def _buffer(store, rows, room):
     room=st.integers(0, 9),
     kind=st.sampled_from([("safetensors", "float32"), ("safetensors", "bfloat16"), ("hdf5", "float32")]),
     seed=st.integers(0, 1000),
+    direct_io=st.sampled_from([True, False, "auto"]),
+    cold=st.booleans(),
 )
-def test_rows_read_into_a_buffer_are_the_stored_rows(tmp_path_factory, lengths, cut, chunk, room, kind, seed):
+def test_rows_read_into_a_buffer_are_the_stored_rows(tmp_path_factory, lengths, cut, chunk, room, kind, seed, direct_io, cold):
     """Prompts sharing prefixes are stored across files (partial first and last blocks,
-    short last blocks; both chunk formats); every row of every layer lands where the pool path puts it, and
-    the rows after the prefix are left alone."""
+    short last blocks; both chunk formats), read with or without ``O_DIRECT``, from the
+    page cache or guest-cold; every row of every layer lands where the pool path puts
+    it, and the rows after the prefix are left alone."""
     model = _model()
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, 256, (60,), generator=g).tolist()
     fmt, dtype = kind
-    cfg = ImpressConfig(chunk_tokens=chunk, fsync=False, kv_dtype=dtype, **TIERS_OFF)
-    with ImpressStore(tmp_path_factory.mktemp("kv"), model, cfg, storage_format=fmt) as store:
+    cfg = ImpressConfig(chunk_tokens=chunk, fsync=False, kv_dtype=dtype, direct_io=direct_io, **TIERS_OFF)
+    path = tmp_path_factory.mktemp("kv")
+    with ImpressStore(path, model, cfg, storage_format=fmt) as store:
         spec = store.spec
         ks, vs = _kv(spec.num_layers, spec.num_kv_heads, 60, spec.head_dim, spec.torch_kv_dtype, seed)
         for n in lengths:
             store.put(base[:n], [k[:, :n] for k in ks], [v[:, :n] for v in vs])
+        if cold:
+            store.flush()
+            drop_page_cache(path)
         q = base[: min(cut, max(lengths))]
         m = store.match(q)
         lay = store.layout(m.segments)

@@ -18,6 +18,7 @@ included, moves as raw bytes).
 
 from __future__ import annotations
 
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -60,10 +61,12 @@ _stage = threading.local()
 
 
 def stage_buffer(nbytes: int) -> memoryview:
-    """This thread's staging buffer, at least ``nbytes`` long (kept for the next run)."""
+    """This thread's staging buffer, at least ``nbytes`` long (kept for the next run):
+    anonymous memory, page-aligned as ``O_DIRECT`` reads need it."""
     buf = getattr(_stage, "buf", None)
     if buf is None or len(buf) < nbytes:
-        buf = _stage.buf = bytearray(max(nbytes, STAGE_BYTES))
+        size = -(-max(nbytes, STAGE_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
+        buf = _stage.buf = mmap.mmap(-1, size)
     return memoryview(buf)[:nbytes]
 
 

@@ -9,7 +9,8 @@ buffer; requests run on a thread pool so several are in flight at once. Every bl
 verified against its checksum (CRC-32C from the block's seed, in the reading thread,
 without the GIL) before the batch is reported done. A group with a `RowPlacement` is read
 in cache-sized runs through a staging buffer and its rows placed where they belong
-(`placed`: straight into a layer's buffer, each block verified before it is copied).
+(`placed`: straight into a layer's buffer, each block verified before it is copied),
+with ``O_DIRECT`` where the group has such a descriptor (`DirectCounts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptBlockError, StoreIOError
-from .base import ALIGN, checksum
+from .base import ALIGN, align_up, checksum
+from .pagecache import cached_bytes
 from .placed import STAGE_BYTES, RowPlacement, place, stage_buffer
 
 #: reader tasks per group of placed rows (`placed`): two shares keep two reads of a layer in
@@ -51,6 +54,23 @@ class Extent:
     seed: int = 0
 
 
+class DirectCounts:
+    """How the runs of placed reads were read: ``direct`` with ``O_DIRECT``; ``buffered``
+    through the page cache because the group had no ``O_DIRECT`` descriptor or the run
+    did not start 4 KiB aligned; ``refused``: tried with ``O_DIRECT``, refused by the
+    file system (``EINVAL``), then read through the page cache. Shared by reader threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.direct = self.buffered = self.refused = 0
+
+    def add(self, direct: int = 0, buffered: int = 0, refused: int = 0) -> None:
+        with self._lock:
+            self.direct += direct
+            self.buffered += buffered
+            self.refused += refused
+
+
 @dataclass
 class FileBlocks:
     """Blocks of one file to read into one destination buffer (arrays of equal length)."""
@@ -68,6 +88,13 @@ class FileBlocks:
     before: Callable[[], None] | None = None
     #: rows placed into their positions (`placed`) instead of whole blocks at ``dest``
     place: RowPlacement | None = None
+    #: placed rows only: a descriptor of the same file opened with ``O_DIRECT`` (runs read
+    #: past the page cache), and where to count how each run was read
+    direct_fd: int | None = None
+    counts: DirectCounts | None = None
+    #: with ``direct_fd``: read a share of runs that is mostly in the page cache through
+    #: it (`pagecache.cached_bytes`), the rest with ``O_DIRECT``
+    unless_cached: bool = False
 
 
 class ReadBatch:
@@ -254,18 +281,24 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
 
 def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None) -> int:
     """Read each run of ``g`` (sorted by offset) into this thread's staging buffer with
-    one ``preadv``, verify every block there, then place its rows (`placed.place`).
+    one read (``O_DIRECT`` where ``g`` has such a descriptor: `_read_direct`), verify
+    every block there, then place its rows (`placed.place`).
 
     Returns the bytes read counted as `_read_run`'s merged reads count them: a gap of
     less than a page between two runs (cut only to fit the staging buffer; ``after``:
     where the run before the first one ends) counts as read, as inside one run."""
     assert g.place is not None
     fd = g.fd if g.fd is not None else open_chunk_file(g.path, g.file_id)
-    total = 0
+    dfd = g.direct_fd if g.fd is not None else None
+    total = direct = buffered = refused = 0
+    lo = int(g.offsets[runs[0][0]]) if runs else 0
+    hi = int(g.offsets[runs[-1][-1]] + g.nbytes[runs[-1][-1]]) if runs else 0
     try:
-        if runs:  # the share's pages asked for at once: the device reads ahead of the small runs
-            lo = int(g.offsets[runs[0][0]])
-            hi = int(g.offsets[runs[-1][-1]] + g.nbytes[runs[-1][-1]])
+        if dfd is not None and g.unless_cached:  # mostly cached: the page cache's copy is cheaper than the device
+            cached = cached_bytes(fd, lo, hi - lo)
+            if cached is not None and 2 * cached >= hi - lo:
+                dfd = None
+        if runs and dfd is None:  # the share's pages asked for at once: the device reads ahead of the small runs
             try:
                 os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
             except OSError:  # a hint only
@@ -274,11 +307,15 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
             offsets, sizes = g.offsets[idx], g.nbytes[idx]
             start = int(offsets[0])
             end = int(offsets[-1] + sizes[-1])
-            stage = stage_buffer(end - start)
-            _preadv_all(fd, [stage], start, g, end)
+            stage = stage_buffer(align_up(end - start))
+            got = _read_direct(dfd, stage, start, end, g) if dfd is not None and start % ALIGN == 0 else 0
+            direct, buffered, refused = direct + (got > 0), buffered + (got == 0), refused + (got < 0)
+            if got < end - start:
+                _preadv_all(fd, [stage[max(got, 0) : end - start]], start + max(got, 0), g, end)
+            stage = stage[: end - start]
             rel = offsets - start
             # a run is cache-sized: its blocks are verified without handing the GIL over
-            # per block (the preadv before and the copies after release it)
+            # per block (the read before and the copies after release it)
             for r, n, seed, want in zip(rel.tolist(), sizes.tolist(), g.seeds[idx].tolist(), g.expected[idx].tolist()):
                 if checksum(stage[r : r + n], seed, release=False) != want:
                     raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {start + r} ({n} bytes)", g.file_id)
@@ -290,7 +327,30 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
     finally:
         if g.fd is None:
             os.close(fd)
+        if g.counts is not None:
+            g.counts.add(direct, buffered, refused)
     return total
+
+
+def _read_direct(dfd: int, stage: memoryview, start: int, end: int, g: FileBlocks) -> int:
+    """Read ``start .. end`` of the file (``start`` 4 KiB aligned) into the page-aligned
+    ``stage`` with ``O_DIRECT``, in whole 4 KiB pages (the last one may run past ``end``
+    or stop at the end of the file). Returns how many of the run's bytes are now in
+    ``stage``: all of them, fewer where a read stopped early (the end of the file, a
+    short read; the caller reads the rest through the page cache, which also reports a
+    truncated file), or ``-1`` where the file system refused the read (``EINVAL``)."""
+    want, got = align_up(end - start), 0
+    while got < end - start:
+        try:
+            n = os.preadv(dfd, [stage[got:want]], start + got)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return got if got else -1
+            raise read_failed(f"cannot read chunk file {g.path}", exc, g.file_id) from exc
+        got += n
+        if n == 0 or got % ALIGN:  # stopped inside a page: the end of the file, or a short read
+            break
+    return min(got, end - start)
 
 
 def _preadv_all(fd: int, iovecs: list[memoryview], offset: int, g: FileBlocks, end: int) -> None:

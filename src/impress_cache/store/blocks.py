@@ -31,7 +31,7 @@ import torch
 from ..model_info import ModelSpec
 from ..storage import kv_codec
 from ..storage.base import KV, BlockKey, block_code
-from ..storage.reader import BlockReader, FileBlocks, ReadBatch
+from ..storage.reader import BlockReader, DirectCounts, FileBlocks, ReadBatch
 from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
 from . import direct
@@ -63,6 +63,11 @@ class IOCounters:
     kv_bytes_unattended: float = 0.0
     decode_bytes_read_disk: int = 0
     probe_bytes_read_disk: int = 0
+    #: runs of exact reuse's direct reads (`store.direct`) read with ``O_DIRECT``, through
+    #: the page cache, and refused by the file system (`reader.DirectCounts`)
+    runs_direct_io: int = 0
+    runs_buffered: int = 0
+    runs_direct_io_refused: int = 0
 
     @property
     def invalid_io_ratio(self) -> float:
@@ -145,6 +150,7 @@ class BlockIO:
         on_access: Callable[[Iterable[BlockKey]], None],
         pin_host: bool = False,
         fill: Any = None,
+        direct_io: bool | str = "auto",
     ) -> None:
         self._catalog = catalog
         self._tiers = tiers
@@ -161,6 +167,9 @@ class BlockIO:
         #: are read, for files where ``fill.linked(name)`` (the remote tier's linked files,
         #: `RemoteFiles`); ``None``: every file is whole
         self.fill = fill
+        #: exact reuse's direct reads use ``O_DIRECT`` where the file system allows it
+        #: (`ImpressConfig.direct_io`)
+        self.direct_io = direct_io
 
     def reset(self) -> None:
         with self._lock:
@@ -178,11 +187,14 @@ class BlockIO:
             return None
         return direct.start_rows(self, self._spec, self._reader, layout, layer, out)
 
-    def count_disk_kv(self, disk_bytes: int, blocks: int, rows: int, payload: int) -> None:
+    def count_disk_kv(self, disk_bytes: int, blocks: int, rows: int, payload: int, runs: DirectCounts) -> None:
         """Count a dense read of K/V blocks from disk in the store's totals (as `_account`
-        counts one through the pool: every row attended)."""
+        counts one through the pool: every row attended), and how its runs were read."""
         with self._lock:
             c = self.counters
+            c.runs_direct_io += runs.direct
+            c.runs_buffered += runs.buffered
+            c.runs_direct_io_refused += runs.refused
             c.bytes_read_disk += disk_bytes
             c.blocks_read += blocks
             cell = c.served["kv"]["disk"]

@@ -440,6 +440,10 @@ class Catalog:
         """A read-only descriptor of a chunk file (`OpenFiles.fd`)."""
         return self.files.fd(f)
 
+    def direct_fd(self, f: OpenFile) -> int | None:
+        """A second descriptor of a chunk file, opened with ``O_DIRECT`` (`OpenFiles.direct_fd`)."""
+        return self.files.direct_fd(f)
+
     def perm_of(self, file_id: int) -> np.ndarray | None:
         """The row permutation of a reordered file (``None``: rows in prompt order)."""
         record = self.records.get(file_id)

@@ -35,6 +35,9 @@ class OpenFile:
     path: Path
     table: BlockTable
     fd: int | None = None
+    #: a second descriptor of the same file opened with ``O_DIRECT`` (`open_direct`);
+    #: ``-1``: the file system refused it (or the platform has no ``O_DIRECT``)
+    dfd: int | None = None
     #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
     perm: np.ndarray | None = None
 
@@ -79,6 +82,24 @@ def open_chunk(f: OpenFile, chunks_fd: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_direct(f: OpenFile, fd: int, chunks_fd: int) -> int:
+    """A second read-only descriptor of ``f``'s chunk file that bypasses the page cache
+    (``O_DIRECT``), or ``-1`` where the platform or the file system refuses it, or where
+    the name no longer leads to the file ``fd`` has open (replaced meanwhile)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        dfd = os.open(f.record.name, os.O_RDONLY | flag | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=chunks_fd)
+    except OSError:  # EINVAL: no O_DIRECT here; anything else: the buffered descriptor reports it
+        return -1
+    a, b = os.fstat(fd), os.fstat(dfd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(dfd)
+        return -1
+    return dfd
 
 
 class OpenFiles:
@@ -152,6 +173,24 @@ class OpenFiles:
             os.close(fd)
         return f.fd if kept else None
 
+    def direct_fd(self, f: OpenFile) -> int | None:
+        """A descriptor of ``f``'s file opened with ``O_DIRECT`` (`open_direct`), kept with
+        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, or
+        ``f`` dropped meanwhile: the reader then reads through the page cache)."""
+        if f.dfd is not None:
+            return f.dfd if f.dfd >= 0 else None
+        fd = self.fd(f)
+        if fd is None:
+            return None
+        dfd = open_direct(f, fd, self._chunks_fd)
+        with self._lock:
+            kept = self._open.get(f.record.id) is f and f.fd == fd
+            if kept and f.dfd is None:
+                f.dfd, dfd = dfd, -1  # kept with ``f`` now (or the refusal remembered)
+        if dfd >= 0:
+            os.close(dfd)
+        return f.dfd if kept and f.dfd is not None and f.dfd >= 0 else None
+
     def drop(self, file_ids: Iterable[int]) -> None:
         """Forget files and close their descriptors (a reader that still has one of them
         gets no reused descriptor number from `fd`: ``None``)."""
@@ -162,6 +201,10 @@ class OpenFiles:
                 if f is not None and f.fd is not None:
                     os.close(f.fd)
                     f.fd = None
+                if f is not None and f.dfd is not None:
+                    if f.dfd >= 0:
+                        os.close(f.dfd)
+                    f.dfd = None
 
 
 def check_match(records: FileTable, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:

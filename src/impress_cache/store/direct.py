@@ -28,7 +28,7 @@ import torch
 from ..model_info import ModelSpec
 from ..storage.base import KV
 from ..storage.placed import RowPlacement
-from ..storage.reader import FileBlocks, ReadBatch
+from ..storage.reader import DirectCounts, FileBlocks, ReadBatch
 from .blockset import ReadStats
 from .layout import PrefixLayout
 
@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     from .blocks import BlockIO
 
 
-def plan_rows(io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, out: torch.Tensor) -> tuple[list[FileBlocks], np.ndarray] | None:
+def plan_rows(
+    io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, out: torch.Tensor, counts: DirectCounts | None = None,
+) -> tuple[list[FileBlocks], np.ndarray] | None:
     """The groups that read ``layer`` of ``layout`` into ``out`` and every block's rows,
     or ``None`` where the pool path must be used (see the module's docstring)."""
     view = layout.at(layer)
@@ -66,11 +68,13 @@ def plan_rows(io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, ou
         all_rows[a:b] = rows
         offsets, nbytes = t.offsets[KV, layer, bl], rows * spec.kv_row_bytes
         linked = fill is not None and fill.linked(f.record.name, f.record.id)
+        # O_DIRECT: not for a linked file (its blocks were just written by its fill)
+        dfd = catalog.direct_fd(f) if io.direct_io and not linked else None
         groups.append(FileBlocks(
             f.record.id, f.path, catalog.fd(f), offsets, nbytes, t.checksums[KV, layer, bl], t.seeds[KV, layer, bl],
             np.zeros(b - a, dtype=np.int64),
             functools.partial(fill.fill, f.record.id, f.record.name, offsets, nbytes) if linked else None,
-            RowPlacement(dest, at[a:b], r0[a:b], count[a:b], rows),
+            RowPlacement(dest, at[a:b], r0[a:b], count[a:b], rows), dfd, counts, io.direct_io == "auto",
         ))
     return groups, all_rows
 
@@ -78,9 +82,12 @@ def plan_rows(io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, ou
 class RowsRead:
     """A layer's rows in flight into a caller's buffer; `result` waits and accounts."""
 
-    def __init__(self, io: BlockIO, batch: ReadBatch, rows: np.ndarray, row_bytes: int, t0: float) -> None:
+    def __init__(
+        self, io: BlockIO, batch: ReadBatch, rows: np.ndarray, row_bytes: int, t0: float, counts: DirectCounts,
+    ) -> None:
         self._io = io
         self._batch = batch
+        self._counts = counts
         self._rows = rows
         self._row_bytes = row_bytes
         self._t0 = t0
@@ -93,7 +100,7 @@ class RowsRead:
             disk = self._batch.wait()
             payload = int(self._rows.sum()) * self._row_bytes
             stats = ReadStats(disk_bytes=disk, disk_blocks=len(self._rows), kv_disk_bytes=payload)
-            self._io.count_disk_kv(disk, len(self._rows), int(self._rows.sum()), payload)
+            self._io.count_disk_kv(disk, len(self._rows), int(self._rows.sum()), payload, self._counts)
             stats.seconds = time.perf_counter() - self._t0
             self._stats = stats
         return self._stats
@@ -103,8 +110,9 @@ def start_rows(io: BlockIO, spec: ModelSpec, reader: Any, layout: PrefixLayout, 
     """Start reading every row of ``layer`` of ``layout`` into ``out``; ``None``: not
     possible here (the caller reads through the pool)."""
     t0 = time.perf_counter()
-    planned = plan_rows(io, spec, layout, layer, out)
+    counts = DirectCounts()
+    planned = plan_rows(io, spec, layout, layer, out, counts)
     if planned is None:
         return None
     groups, rows = planned
-    return RowsRead(io, reader.submit(groups, memoryview(b"")), rows, spec.kv_row_bytes, t0)
+    return RowsRead(io, reader.submit(groups, memoryview(b"")), rows, spec.kv_row_bytes, t0, counts)

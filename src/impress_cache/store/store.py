@@ -175,7 +175,7 @@ class ImpressStore:
         self.costs = CostModel.load(self.path, not self.read_only, cfg.file_mode)
         self._io = BlockIO(
             self._catalog, self.tiers, self.spec, self.probe.record_bytes, self._reader, self._stats.mark,
-            pin_host=torch.cuda.is_available(), fill=self._remote.files,  # linked files: fetched when read
+            pin_host=torch.cuda.is_available(), fill=self._remote.files, direct_io=cfg.direct_io,  # (fill: linked files)
         )
         self._gc = StoreGC(self._catalog, self._leases, self._values, self.clock, cfg.file_mode)
         self._reorder = Reordering(
