@@ -136,3 +136,23 @@ def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     counts = _read(path, blocks, offsets, out)
     assert np.array_equal(out, np.concatenate(blocks, axis=2))
     assert (counts.direct, counts.buffered, counts.refused) == (0, 0, _runs(offsets, blocks))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_does_not_share_the_staging_buffer():
+    """The staging buffer a thread had when the process forked stays the parent's: a
+    child reading into its copy (the thread that forked goes on in the child) changes
+    nothing the parent verified and is about to place."""
+    from impress_cache.storage.placed import stage_buffer
+
+    stage = stage_buffer(8192)
+    stage[:] = b"\x11" * 8192
+    pid = os.fork()
+    if pid == 0:  # the child: write over its staging buffer, then leave at once
+        try:
+            stage_buffer(8192)[:] = b"\xee" * 8192
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(stage) == b"\x11" * 8192
