@@ -156,3 +156,19 @@ def test_a_forked_child_does_not_share_the_staging_buffer():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert bytes(stage) == b"\x11" * 8192
+
+
+@pytest.mark.parametrize("cut", [0, 4096, 1000])
+def test_a_file_truncated_inside_a_run_is_reported_not_placed(tmp_path, cut):
+    """The file ends inside a run (at a block's start, at a page inside it, or inside a
+    page): the ``O_DIRECT`` read stops there, the rest read through the page cache finds
+    the end of the file, and the read fails as truncated with none of that block's rows
+    placed."""
+    path, blocks, offsets = _file(tmp_path, [16] * 60, True)
+    bad = 45
+    _cold(path)
+    os.truncate(path, int(offsets[bad]) + cut)
+    out = np.full((2, HEADS, 16 * 60, ROW), 0xAB, dtype=np.uint8)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        _read(path, blocks, offsets, out)
+    assert (out[:, :, bad * 16 :] == 0xAB).all()
