@@ -178,8 +178,9 @@ class OpenFiles:
 
     def direct_fd(self, f: OpenFile) -> int | None:
         """A descriptor of ``f``'s file opened with ``O_DIRECT`` (`open_direct`), kept with
-        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, or
-        ``f`` dropped meanwhile: the reader then reads through the page cache)."""
+        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, not
+        now: `NOT_NOW`, or ``f`` dropped meanwhile: the reader then reads through the page
+        cache)."""
         kept_dfd = f.dfd  # (read once: a `drop` meanwhile clears it)
         if kept_dfd is not None:
             return kept_dfd if kept_dfd >= 0 else None
