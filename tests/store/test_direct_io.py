@@ -233,3 +233,21 @@ def test_out_of_descriptors_is_not_taken_for_a_refusal(tmp_path):
         assert out is None
         dfd = files.direct_fd(f)
         assert dfd is not None and dfd >= 0 and f.dfd == dfd
+
+
+def test_the_buffered_descriptor_closed_before_the_o_direct_one_is_checked(tmp_path):
+    """`open_direct` compares the new ``O_DIRECT`` descriptor with the buffered one, which
+    a `drop` may have closed meanwhile: no descriptor is opened for good (none left open)
+    and no error escapes; the answer is "none" for this read."""
+    from impress_cache.store.chunkfiles import open_direct
+
+    store, toks, _, _ = _stored(tmp_path, True)
+    with store:
+        files = store._catalog.files
+        f = files.get(next(iter(store._catalog.records)))
+        lower, closed = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_RDONLY)
+        os.close(closed)  # a descriptor number not open now (nor the next one opened: ``lower``)
+        os.close(lower)
+        before = set(os.listdir("/proc/self/fd"))
+        assert open_direct(f, closed, store._catalog.chunks_fd) < 0
+        assert set(os.listdir("/proc/self/fd")) == before

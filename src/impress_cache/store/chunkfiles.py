@@ -98,8 +98,12 @@ def open_direct(f: OpenFile, fd: int, chunks_fd: int) -> int:
         dfd = os.open(f.record.name, os.O_RDONLY | flag | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=chunks_fd)
     except OSError as exc:  # EINVAL: no O_DIRECT here; anything else: the buffered descriptor reports it
         return NOT_NOW if exc.errno in TRANSIENT else -1
-    a, b = os.fstat(fd), os.fstat(dfd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+    try:
+        a, b = os.fstat(fd), os.fstat(dfd)
+        same = (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    except OSError:  # ``fd`` closed meanwhile (`OpenFiles.drop`)
+        same = False
+    if not same:
         os.close(dfd)
         return -1
     return dfd
