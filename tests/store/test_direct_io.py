@@ -223,7 +223,7 @@ def test_out_of_descriptors_is_not_taken_for_a_refusal(tmp_path):
         f = files.get(next(iter(store._catalog.records)))
         assert files.fd(f) is not None and f.dfd is None
         store.flush()  # (no write of the store's own in the window below)
-        probe = os.dup(0)  # the lowest free descriptor number: a limit there leaves none
+        probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number: a limit there leaves none
         os.close(probe)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
