@@ -11,7 +11,6 @@ through the page cache instead.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import platform
@@ -31,8 +30,8 @@ class _Stat(ctypes.Structure):
 def _syscall():  # type: ignore[no-untyped-def]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64", "riscv64"):
         return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).syscall
+    try:  # the process's own symbols, libc's among them (``find_library`` would run ``ldconfig``)
+        fn = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
