@@ -109,17 +109,20 @@ def test_a_damaged_byte_on_disk_is_caught_before_its_block_is_placed(tmp_path, f
     assert (out[:, :, bad * 16 : (bad + 1) * 16] == 0xAB).all()
 
 
-def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    """A file system that opens with ``O_DIRECT`` but refuses the reads (``EINVAL``; no
-    such file system is mounted here, so the refusal is injected for the ``O_DIRECT``
-    descriptor only): every run is read through the page cache and counted as refused."""
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch, refusal):
+    """A file system that opens with ``O_DIRECT`` but refuses the reads (``EINVAL``, or
+    ``EOPNOTSUPP`` as some stacked and FUSE file systems say it; no such file system is
+    mounted here, so the refusal is injected for the ``O_DIRECT`` descriptor only): every
+    run is read through the page cache and counted as refused, the file not taken for
+    damaged."""
     path, blocks, offsets = _file(tmp_path, [16] * 70 + [5], True)
     real = os.preadv
     direct_fds: set[int] = set()
 
     def refusing(fd, buffers, offset, *flags):
         if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real(fd, buffers, offset, *flags)
 
     real_open = os.open
