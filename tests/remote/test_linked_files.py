@@ -21,6 +21,7 @@ from conftest import tiny_model
 from helpers import assert_same_as_uncached, run
 from impress_cache import CorruptBlockError, ImpressCache, ImpressConfig, ImpressStore
 from impress_cache.storage.base import KV
+from impress_cache.store import CHUNK_DIR
 from impress_cache.store.remote import lazy
 from test_remote_hardening import SPARSE, _load_all
 from test_remote_tier import TESTS, _cfg, _doc
@@ -277,3 +278,30 @@ def test_a_file_another_process_completed_is_read_when_its_object_is_gone(bucket
         a.close()
         b.close()
         os.close(fd)
+
+
+def test_a_linked_file_read_straight_into_layers_then_past_the_page_cache(bucket, tmp_path):
+    """Exact reuse from disk with ``direct_io=True`` (memory tiers off) on a host that
+    links the stored document: the linked file's blocks are fetched and read through the
+    page cache (no ``O_DIRECT`` descriptor for a linked file); once the file is filled
+    (its pages written through the page cache, no fsync), it is read with ``O_DIRECT``
+    and still matches generate without a cache."""
+    doc = _doc()
+    server, prefix, model, _ = _stored_on_a(bucket, tmp_path, doc)
+    ids = torch.cat([doc, doc[:, :4]], dim=1)
+    cfg = _cfg(server, prefix, device_bytes=0, host_bytes=0, direct_io=True)
+    with ImpressStore(tmp_path / "b", model, cfg) as b:
+        c = assert_same_as_uncached(model, b, ids)
+        assert c.stats.matched_tokens == doc.shape[1] and c.stats.recomputed_layers == 0
+        assert b.stats()["remote"]["ranges_fetched"] >= 1
+        fid, name = _doc_file(b, doc)
+        f = b._catalog.files.get(fid)
+        assert b._remote.files.linked(name, fid) and f.dfd is None
+        size = (tmp_path / "b" / CHUNK_DIR / name).stat().st_size
+        b._remote.files.fill(fid, name, np.array([0]), np.array([size]))  # the rest of the file
+        assert not b._remote.files.linked(name, fid)
+        before = b.stats()["runs_direct_io"]
+        c = assert_same_as_uncached(model, b, ids)
+        assert c.stats.matched_tokens >= doc.shape[1] and c.stats.recomputed_layers == 0
+        assert b.stats()["quarantined_files"] == 0
+        assert f.dfd is not None and f.dfd >= 0 and b.stats()["runs_direct_io"] > before

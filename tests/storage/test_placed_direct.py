@@ -109,17 +109,20 @@ def test_a_damaged_byte_on_disk_is_caught_before_its_block_is_placed(tmp_path, f
     assert (out[:, :, bad * 16 : (bad + 1) * 16] == 0xAB).all()
 
 
-def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    """A file system that opens with ``O_DIRECT`` but refuses the reads (``EINVAL``; no
-    such file system is mounted here, so the refusal is injected for the ``O_DIRECT``
-    descriptor only): every run is read through the page cache and counted as refused."""
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch, refusal):
+    """A file system that opens with ``O_DIRECT`` but refuses the reads (``EINVAL``, or
+    ``EOPNOTSUPP`` as some stacked and FUSE file systems say it; no such file system is
+    mounted here, so the refusal is injected for the ``O_DIRECT`` descriptor only): every
+    run is read through the page cache and counted as refused, the file not taken for
+    damaged."""
     path, blocks, offsets = _file(tmp_path, [16] * 70 + [5], True)
     real = os.preadv
     direct_fds: set[int] = set()
 
     def refusing(fd, buffers, offset, *flags):
         if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real(fd, buffers, offset, *flags)
 
     real_open = os.open
@@ -136,3 +139,39 @@ def test_a_refused_read_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     counts = _read(path, blocks, offsets, out)
     assert np.array_equal(out, np.concatenate(blocks, axis=2))
     assert (counts.direct, counts.buffered, counts.refused) == (0, 0, _runs(offsets, blocks))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_does_not_share_the_staging_buffer():
+    """The staging buffer a thread had when the process forked stays the parent's: a
+    child reading into its copy (the thread that forked goes on in the child) changes
+    nothing the parent verified and is about to place."""
+    from impress_cache.storage.placed import stage_buffer
+
+    stage = stage_buffer(8192)
+    stage[:] = b"\x11" * 8192
+    pid = os.fork()
+    if pid == 0:  # the child: write over its staging buffer, then leave at once
+        try:
+            stage_buffer(8192)[:] = b"\xee" * 8192
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(stage) == b"\x11" * 8192
+
+
+@pytest.mark.parametrize("cut", [0, 4096, 1000])
+def test_a_file_truncated_inside_a_run_is_reported_not_placed(tmp_path, cut):
+    """The file ends inside a run (at a block's start, at a page inside it, or inside a
+    page): the ``O_DIRECT`` read stops there, the rest read through the page cache finds
+    the end of the file, and the read fails as truncated with none of that block's rows
+    placed."""
+    path, blocks, offsets = _file(tmp_path, [16] * 60, True)
+    bad = 45
+    _cold(path)
+    os.truncate(path, int(offsets[bad]) + cut)
+    out = np.full((2, HEADS, 16 * 60, ROW), 0xAB, dtype=np.uint8)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        _read(path, blocks, offsets, out)
+    assert (out[:, :, bad * 16 :] == 0xAB).all()

@@ -30,8 +30,8 @@ class _Stat(ctypes.Structure):
 def _syscall():  # type: ignore[no-untyped-def]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64", "riscv64"):
         return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall  # (the C library this process runs with)
+    try:  # the process's own symbols, libc's among them (``find_library`` would run ``ldconfig``)
+        fn = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long

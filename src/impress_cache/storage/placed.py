@@ -58,15 +58,18 @@ class RowPlacement:
 
 
 _stage = threading.local()
+#: an anonymous mapping of this process only (copied on write by a forked child)
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
 def stage_buffer(nbytes: int) -> memoryview:
     """This thread's staging buffer, at least ``nbytes`` long (kept for the next run):
-    anonymous memory, page-aligned as ``O_DIRECT`` reads need it."""
+    private anonymous memory, page-aligned as ``O_DIRECT`` reads need it (``mmap``'s
+    default, a shared mapping, would be the same memory in a forked child)."""
     buf = getattr(_stage, "buf", None)
     if buf is None or len(buf) < nbytes:
         size = -(-max(nbytes, STAGE_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
-        buf = _stage.buf = mmap.mmap(-1, size)
+        buf = _stage.buf = mmap.mmap(-1, size, **_PRIVATE)
     return memoryview(buf)[:nbytes]
 
 

@@ -58,7 +58,7 @@ class DirectCounts:
     """How the runs of placed reads were read: ``direct`` with ``O_DIRECT``; ``buffered``
     through the page cache because the group had no ``O_DIRECT`` descriptor or the run
     did not start 4 KiB aligned; ``refused``: tried with ``O_DIRECT``, refused by the
-    file system (``EINVAL``), then read through the page cache. Shared by reader threads."""
+    file system (``EINVAL``, ``EOPNOTSUPP``), then read through the page cache. Shared by reader threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -332,19 +332,23 @@ def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None
     return total
 
 
+#: what a file system that does not do ``O_DIRECT`` reads says (the rest are the file's)
+_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+
+
 def _read_direct(dfd: int, stage: memoryview, start: int, end: int, g: FileBlocks) -> int:
     """Read ``start .. end`` of the file (``start`` 4 KiB aligned) into the page-aligned
     ``stage`` with ``O_DIRECT``, in whole 4 KiB pages (the last one may run past ``end``
     or stop at the end of the file). Returns how many of the run's bytes are now in
     ``stage``: all of them, fewer where a read stopped early (the end of the file, a
     short read; the caller reads the rest through the page cache, which also reports a
-    truncated file), or ``-1`` where the file system refused the read (``EINVAL``)."""
+    truncated file), or ``-1`` where the file system refused the read (`_REFUSED`)."""
     want, got = align_up(end - start), 0
     while got < end - start:
         try:
             n = os.preadv(dfd, [stage[got:want]], start + got)
         except OSError as exc:
-            if exc.errno == errno.EINVAL:
+            if exc.errno in _REFUSED:
                 return got if got else -1
             raise read_failed(f"cannot read chunk file {g.path}", exc, g.file_id) from exc
         got += n

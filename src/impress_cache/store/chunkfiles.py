@@ -18,11 +18,13 @@ from ..errors import CorruptBlockError, StoreFormatError
 from ..index.files import FileRecord, FileTable, NewFile
 from ..index.radix import Match
 from ..index.sqlite import Index
-from ..storage.reader import open_chunk_file
+from ..storage.reader import TRANSIENT, open_chunk_file
 from ..storage.base import BlockTable, context_digest, file_seed
 
 #: files whose block tables `OpenFiles` keeps from their writing until first read (`seed`)
 WRITTEN_KEEP = 64
+#: `open_direct`: no ``O_DIRECT`` descriptor for this read, none refused either (`TRANSIENT`)
+NOT_NOW = -2
 #: names the store gives its chunk files; anything else in the index is damage
 FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
 
@@ -87,16 +89,21 @@ def open_chunk(f: OpenFile, chunks_fd: int) -> int:
 def open_direct(f: OpenFile, fd: int, chunks_fd: int) -> int:
     """A second read-only descriptor of ``f``'s chunk file that bypasses the page cache
     (``O_DIRECT``), or ``-1`` where the platform or the file system refuses it, or where
-    the name no longer leads to the file ``fd`` has open (replaced meanwhile)."""
+    the name no longer leads to the file ``fd`` has open (replaced meanwhile), or
+    `NOT_NOW` where the process is out of descriptors or memory for now (`TRANSIENT`)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1
     try:
         dfd = os.open(f.record.name, os.O_RDONLY | flag | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=chunks_fd)
-    except OSError:  # EINVAL: no O_DIRECT here; anything else: the buffered descriptor reports it
-        return -1
-    a, b = os.fstat(fd), os.fstat(dfd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+    except OSError as exc:  # EINVAL: no O_DIRECT here; anything else: the buffered descriptor reports it
+        return NOT_NOW if exc.errno in TRANSIENT else -1
+    try:
+        a, b = os.fstat(fd), os.fstat(dfd)
+        same = (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    except OSError:  # ``fd`` closed meanwhile (`OpenFiles.drop`)
+        same = False
+    if not same:
         os.close(dfd)
         return -1
     return dfd
@@ -175,21 +182,26 @@ class OpenFiles:
 
     def direct_fd(self, f: OpenFile) -> int | None:
         """A descriptor of ``f``'s file opened with ``O_DIRECT`` (`open_direct`), kept with
-        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, or
-        ``f`` dropped meanwhile: the reader then reads through the page cache)."""
-        if f.dfd is not None:
-            return f.dfd if f.dfd >= 0 else None
+        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, not
+        now: `NOT_NOW`, or ``f`` dropped meanwhile: the reader then reads through the page
+        cache)."""
+        kept_dfd = f.dfd  # (read once: a `drop` meanwhile clears it)
+        if kept_dfd is not None:
+            return kept_dfd if kept_dfd >= 0 else None
         fd = self.fd(f)
         if fd is None:
             return None
         dfd = open_direct(f, fd, self._chunks_fd)
+        if dfd == NOT_NOW:
+            return None  # this read only: a later one tries again
         with self._lock:
             kept = self._open.get(f.record.id) is f and f.fd == fd
             if kept and f.dfd is None:
                 f.dfd, dfd = dfd, -1  # kept with ``f`` now (or the refusal remembered)
+            kept_dfd = f.dfd if kept else None
         if dfd >= 0:
             os.close(dfd)
-        return f.dfd if kept and f.dfd is not None and f.dfd >= 0 else None
+        return kept_dfd if kept_dfd is not None and kept_dfd >= 0 else None
 
     def drop(self, file_ids: Iterable[int]) -> None:
         """Forget files and close their descriptors (a reader that still has one of them
