@@ -96,3 +96,37 @@ def test_a_placement_that_does_not_fit_is_refused(tmp_path):
             reader.submit([_group(path, blocks, offsets, out)], memoryview(b""))
     finally:
         reader.close()
+
+
+def test_an_error_in_one_group_is_raised_only_after_every_other_group_has_ended(tmp_path):
+    """A group whose fetch fails at once (`StoreIOError`: out of descriptors, a remote
+    that cannot be reached) while another is still being read: `ReadBatch.wait` raises
+    only when the other has ended too, so no reader thread writes into a buffer its
+    caller has already given up (and may be recomputing into)."""
+    import threading
+
+    from impress_cache.errors import StoreIOError
+
+    path, blocks, offsets = _file(tmp_path, [16] * 8, True)
+    out_a = np.zeros((2, HEADS, 128, ROW), dtype=np.uint8)
+    out_b = np.zeros_like(out_a)
+    a, b = _group(path, blocks, offsets, out_a), _group(path, blocks, offsets, out_b)
+    ended = threading.Event()
+
+    def fail():
+        raise StoreIOError("out of descriptors")
+
+    def slow():
+        ended.wait(0.5)  # still fetching when the first group's error is known
+
+    a.before, b.before = fail, slow
+    reader = BlockReader(threads=2)
+    try:
+        batch = reader.submit([a, b], memoryview(b""))
+        with pytest.raises(StoreIOError):
+            batch.wait()
+        assert batch.done()
+        expect = np.concatenate(blocks, axis=2)
+        assert np.array_equal(out_b, expect)  # the other group was read whole before the error
+    finally:
+        reader.close()

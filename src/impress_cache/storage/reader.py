@@ -107,12 +107,15 @@ class ReadBatch:
         return all(f.done() for f in self._futures)
 
     def wait(self) -> int:
-        """Block until every run is read and verified; raise the first error."""
+        """Block until every run is read and verified; raise the first error, a damaged
+        block's or any other (`StoreIOError`...), only once every run has ended: no
+        reader thread writes into the destination after this returns or raises (a
+        caller that recomputes reuses it)."""
         total, error = 0, None
         for fut in self._futures:
             try:
                 total += fut.result()
-            except CorruptBlockError as exc:
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other runs
                 error = error or exc
         if error is not None:
             raise error
