@@ -252,3 +252,44 @@ def test_the_buffered_descriptor_closed_before_the_o_direct_one_is_checked(tmp_p
         before = set(os.listdir("/proc/self/fd"))
         assert open_direct(f, closed, store._catalog.chunks_fd) < 0
         assert set(os.listdir("/proc/self/fd")) == before
+
+
+def _chunk_descriptors(path: Path) -> int:
+    """This process's open descriptors on the store's chunk files."""
+    chunks = str((path / CHUNK_DIR).resolve())
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(chunks + "/")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_store_with_more_files_than_its_descriptor_cap_keeps_at_most_the_cap_open(tmp_path, direct_io):
+    """Past `OpenFiles.max_fds` kept descriptors, a read opens its file for itself and
+    closes it after (through the page cache): a process reading more files than its
+    descriptor limit allows never runs out, and every row is still the stored one."""
+    store, toks, ks, vs = _stored(tmp_path, direct_io, n=40)
+    with store:
+        files = store._catalog.files
+        files.max_fds = 3
+        stored = [(toks, ks, vs)]
+        spec = store.spec
+        for i in range(1, 8):  # seven more prompts, each in a file of its own
+            t = [200 + i] + [3 + (7 * i + j) % 190 for j in range(39)]
+            k, v = _kv(spec.num_layers, spec.num_kv_heads, 40, spec.head_dim, spec.torch_kv_dtype, 40 + i)
+            store.put(t, k, v)
+            stored.append((t, k, v))
+        assert len(list((tmp_path / CHUNK_DIR).iterdir())) == 8
+        drop_page_cache(tmp_path)
+        for _ in range(2):
+            for t, k, v in stored:
+                for layer, buf in enumerate(_read_all(store, t)):
+                    assert torch.equal(buf[0], k[layer]) and torch.equal(buf[1], v[layer])
+                assert files._fds <= 3 and _chunk_descriptors(tmp_path) <= 3
+        kept = [d for f in files._open.values() for d in (f.fd, f.dfd) if d is not None and d >= 0]
+        assert len(kept) == files._fds == 3
+        files.drop(list(files._open))
+        assert files._fds == 0 and _chunk_descriptors(tmp_path) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from ..storage.base import BlockTable, context_digest, file_seed
 
 #: files whose block tables `OpenFiles` keeps from their writing until first read (`seed`)
 WRITTEN_KEEP = 64
+
+
+def descriptor_cap() -> int:
+    """How many chunk-file descriptors a store keeps open at most: a quarter of this
+    process's descriptor limit (``ulimit -n``; 256 of the usual 1024), at least 16."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 4096 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
 #: `open_direct`: no ``O_DIRECT`` descriptor for this read, none refused either (`TRANSIENT`)
 NOT_NOW = -2
 #: names the store gives its chunk files; anything else in the index is damage
@@ -124,6 +132,11 @@ class OpenFiles:
         self._row_bytes, self._records = row_bytes, records
         self._open: dict[int, OpenFile] = {}
         self._written: OrderedDict[int, NewFile] = OrderedDict()  # (`seed`)
+        #: descriptors kept with files (`fd`, `direct_fd`), at most `max_fds`: past it a
+        #: read opens its file for itself (and through the page cache), so that a store
+        #: with more files than the process may open never runs it out of descriptors
+        self.max_fds = descriptor_cap()
+        self._fds = 0
 
     def ids(self) -> list[int]:
         with self._lock:
@@ -171,11 +184,14 @@ class OpenFiles:
         then opens the file for that read only and closes it after (or finds it gone)."""
         if f.fd is not None:
             return f.fd
+        if self._fds >= self.max_fds:
+            return None  # (read without the lock: a hint) the reader opens it for this read
         fd = open_chunk(f, self._chunks_fd)
         with self._lock:
             kept = self._open.get(f.record.id) is f
-            if kept and f.fd is None:
+            if kept and f.fd is None and self._fds < self.max_fds:
                 f.fd, fd = fd, -1
+                self._fds += 1
         if fd >= 0:
             os.close(fd)
         return f.fd if kept else None
@@ -189,14 +205,15 @@ class OpenFiles:
         if kept_dfd is not None:
             return kept_dfd if kept_dfd >= 0 else None
         fd = self.fd(f)
-        if fd is None:
+        if fd is None or self._fds >= self.max_fds:
             return None
         dfd = open_direct(f, fd, self._chunks_fd)
         if dfd == NOT_NOW:
             return None  # this read only: a later one tries again
         with self._lock:
             kept = self._open.get(f.record.id) is f and f.fd == fd
-            if kept and f.dfd is None:
+            if kept and f.dfd is None and (dfd < 0 or self._fds < self.max_fds):
+                self._fds += dfd >= 0
                 f.dfd, dfd = dfd, -1  # kept with ``f`` now (or the refusal remembered)
             kept_dfd = f.dfd if kept else None
         if dfd >= 0:
@@ -213,9 +230,11 @@ class OpenFiles:
                 if f is not None and f.fd is not None:
                     os.close(f.fd)
                     f.fd = None
+                    self._fds -= 1
                 if f is not None and f.dfd is not None:
                     if f.dfd >= 0:
                         os.close(f.dfd)
+                        self._fds -= 1
                     f.dfd = None
 
 
