@@ -66,7 +66,7 @@ from fidelity import corpus_tokens  # noqa: E402
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
 from impress_cache.store import CHUNK_DIR  # noqa: E402
-from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
+from impress_cache.tools import drop_file, drop_page_cache, load_smollm2  # noqa: E402
 
 QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
 TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
@@ -107,15 +107,6 @@ def warm_file(path: Path) -> None:
 def warm_store(store_dir: Path) -> None:
     for f in (store_dir / CHUNK_DIR).iterdir():
         warm_file(f)
-
-
-def drop_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 class Throttle:

@@ -13,6 +13,7 @@ import pytest
 from impress_cache import CorruptBlockError
 from impress_cache.storage.pagecache import cached_bytes
 from impress_cache.storage.reader import BlockReader, DirectCounts
+from impress_cache.tools import drop_file
 from test_placed import HEADS, ROW, _file, _group
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
@@ -20,12 +21,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT
 
 def _cold(path):
     """Write the file's pages to the device and drop them from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_file(path)
 
 
 def _read(path, blocks, offsets, out, inline=False, corrupt=None):

@@ -8,10 +8,11 @@
 """
 
 from .models import gemma3_270m_path, load_gemma3_270m, load_smollm2, smollm2_path
-from .pagecache import drop_page_cache
+from .pagecache import drop_file, drop_page_cache
 from .progress import prefill_progress
 
 __all__ = [
+    "drop_file",
     "drop_page_cache",
     "gemma3_270m_path",
     "load_gemma3_270m",

@@ -8,6 +8,17 @@ from pathlib import Path
 from ..store.catalog import CHUNK_DIR
 
 
+def drop_file(path: str | os.PathLike[str]) -> None:
+    """Evict one file from this machine's page cache (``fsync``, then
+    ``POSIX_FADV_DONTNEED``); ``FileNotFoundError`` if it is gone."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def drop_page_cache(store_dir: str | os.PathLike[str]) -> None:
     """Evict a store's chunk files from this machine's page cache.
 
@@ -16,11 +27,6 @@ def drop_page_cache(store_dir: str | os.PathLike[str]) -> None:
     """
     for f in (Path(store_dir) / CHUNK_DIR).iterdir():
         try:
-            fd = os.open(f, os.O_RDONLY)
+            drop_file(f)
         except FileNotFoundError:  # a temporary file renamed, or a file evicted, since the listing
             continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
