@@ -31,6 +31,8 @@ def descriptor_cap() -> int:
     process's descriptor limit (``ulimit -n``; 256 of the usual 1024), at least 16."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 4096 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+
+
 #: `open_direct`: no ``O_DIRECT`` descriptor for this read, none refused either (`TRANSIENT`)
 NOT_NOW = -2
 #: names the store gives its chunk files; anything else in the index is damage
