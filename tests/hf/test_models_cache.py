@@ -1,7 +1,7 @@
 """The real models' converted copies (`impress_cache.tools.models`): the first load of a
 GGUF file keeps its dequantised weights, config and tokenizer in the models cache; later
 loads read that copy and get the same model; a damaged copy is converted again, never
-loaded."""
+loaded; a copy that cannot be written costs only the next load."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import logging
 import pytest
 import torch
 
-from impress_cache.tools.models import CONVERTED_MARK, SMOLLM2_FILE, load_gguf, smollm2_path
-
-pytestmark = pytest.mark.slow
+from conftest import tiny_model
+from impress_cache.tools.models import CONVERTED_MARK, SMOLLM2_FILE, _keep_converted, load_gguf, smollm2_path
 
 TEXT = "The quick brown fox. Überprüfung 東京 🙂 <|im_start|>user\nhi<|im_end|>"
 
@@ -31,6 +30,7 @@ def _same(a, b) -> None:
         assert torch.equal(ma(ids).logits, mb(ids).logits)
 
 
+@pytest.mark.slow
 def test_a_converted_copy_loads_the_same_model_and_a_damaged_one_is_converted_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("IMPRESS_CACHE_MODELS", str(tmp_path))
     converted = load_gguf(smollm2_path(), SMOLLM2_FILE)  # dequantised from the GGUF file, then kept
@@ -50,3 +50,30 @@ def test_a_converted_copy_loads_the_same_model_and_a_damaged_one_is_converted_ag
     assert "unreadable" in caplog.text and "checksum" in caplog.text
     _same(converted, again)
     _same(converted, load_gguf(smollm2_path(), SMOLLM2_FILE))  # the copy was kept again, whole
+
+
+def test_a_copy_that_cannot_be_written_is_not_kept_and_raises_nothing(tmp_path):
+    """The disk fills up while the weights are written (here: a file size limit, so the
+    write fails with ``EFBIG`` as it would with ``ENOSPC``; safetensors reports it as its
+    own error, not an ``OSError``): the load goes on without a copy, nothing is left."""
+    import resource
+    import signal
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_model("llama")  # ~0.4 MB of float32 weights
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")))
+    target = tmp_path / "converted" / "tiny-0123456789abcdef"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (the default action ends the process)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        _keep_converted(model, tok, target, "tiny.gguf")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []  # no partial folder left either
+    _keep_converted(model, tok, target, "tiny.gguf")  # room again: kept
+    assert (target / CONVERTED_MARK).exists()

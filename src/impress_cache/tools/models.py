@@ -101,7 +101,8 @@ def _keep_converted(model: Any, tok: Any, target: Path, name: str) -> None:
         tok.save_pretrained(tmp)
         (tmp / CONVERTED_MARK).write_text(json.dumps({"gguf": name, "weights_crc32c": _weights_crc(tmp)}))
         os.replace(tmp, target)
-    except OSError as exc:  # a full disk, a read-only home, another process first
+    except Exception as exc:  # noqa: BLE001 - a full disk, a read-only home, another process first
+        # (safetensors and tokenizers report a failed write as errors of their own, not OSError)
         log.info("keeping the converted model in %s failed: %s", target, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
