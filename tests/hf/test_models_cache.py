@@ -33,7 +33,9 @@ def _same(a, b) -> None:
 @pytest.mark.slow
 def test_a_converted_copy_loads_the_same_model_and_a_damaged_one_is_converted_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("IMPRESS_CACHE_MODELS", str(tmp_path))
-    converted = load_gguf(smollm2_path(), SMOLLM2_FILE)  # dequantised from the GGUF file, then kept
+    converted = load_gguf(smollm2_path(), SMOLLM2_FILE, converted=False)  # dequantised from the GGUF file
+    assert not (tmp_path / "converted").exists()  # (kept nothing)
+    _same(converted, load_gguf(smollm2_path(), SMOLLM2_FILE))  # dequantised, kept, read back
     (folder,) = (tmp_path / "converted").iterdir()
     assert (folder / CONVERTED_MARK).exists() and (folder / "model.safetensors").exists()
     assert not [p for p in (tmp_path / "converted").iterdir() if p.name.startswith(".")]  # no partial folder left
@@ -77,3 +79,23 @@ def test_a_copy_that_cannot_be_written_is_not_kept_and_raises_nothing(tmp_path):
     assert list(target.parent.iterdir()) == []  # no partial folder left either
     _keep_converted(model, tok, target, "tiny.gguf")  # room again: kept
     assert (target / CONVERTED_MARK).exists()
+
+
+@pytest.mark.slow
+def test_the_first_load_gives_the_model_later_loads_give(tmp_path, monkeypatch):
+    """The load that converts the GGUF file returns the model as later loads read it back
+    from the copy: the same `ModelSpec` (Gemma 3's per-layer-type rope parameters come
+    back from the copy's JSON with their keys in another order, which changed the spec's
+    ``rope``: a store written after the first load refused the model of every later one)
+    and a tokenizer that encodes the same (its beginning-of-sequence token too)."""
+    from impress_cache.model_info import model_spec
+    from impress_cache.tools.models import GEMMA3_FILE, gemma3_270m_path
+
+    folder = gemma3_270m_path()  # (assembled in the usual models cache)
+    monkeypatch.setenv("IMPRESS_CACHE_MODELS", str(tmp_path))
+    first_model, first_tok = load_gguf(folder, GEMMA3_FILE)
+    later_model, later_tok = load_gguf(folder, GEMMA3_FILE)
+    assert model_spec(first_model) == model_spec(later_model)
+    for text in ["", "The quick brown fox.", "<start_of_turn>user\nhi<end_of_turn>"]:
+        ids = first_tok(text).input_ids
+        assert ids == later_tok(text).input_ids and ids[:1] == [first_tok.bos_token_id]
