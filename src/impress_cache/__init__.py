@@ -44,6 +44,10 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FROM_HF})  # the names loaded on first use too (completion, help)
+
 __all__ = [
     "CacheUsageError",
     "ConfigError",

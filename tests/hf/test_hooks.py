@@ -116,21 +116,21 @@ def test_query_capture_sees_the_cache_under_either_spelling(tmp_path, spelling):
         assert all(sel[0].numel() == 32 for sel in cache.selections.values())
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "llama", "exaone4", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "llama", "exaone4", "smollm3", "cohere2"])
 @pytest.mark.parametrize("new", [4, 12])
 def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, family, new):
     """The queries a sparse prefill sees are the ones the attention computes with: normed
     before the transpose (Qwen 3) or after it (Gemma 3, EXAONE 4: the norm's output is
     already heads-first), also when the new tokens are as many as the heads (4: the shape
     alone cannot tell the two layouts apart), rotated where the attention rotates them
-    and not in layers without position embeddings (EXAONE 4's global layers, SmolLM3's
-    every fourth)."""
+    and not in layers without position embeddings (EXAONE 4's and Cohere 2's global
+    layers, SmolLM3's every fourth)."""
     import sys
 
     from families import family_model
 
     layer_types = ["sliding_attention", "full_attention"] * 2  # full layers: where the queries are used
-    model = family_model(family, attn="eager", **({"layer_types": layer_types} if family in ("gemma3_text", "exaone4") else {}))
+    model = family_model(family, attn="eager", **({"layer_types": layer_types} if family in ("gemma3_text", "exaone4", "cohere2") else {}))
     attns = [layer.self_attn for layer in model.model.layers]
     modeling = sys.modules[type(attns[0]).__module__]
     own: dict[int, torch.Tensor] = {}
@@ -161,6 +161,65 @@ def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, fami
         assert not any(attns[i].sliding_window is None or attns[i].is_sliding for i in full)
     if family == "smollm3":
         assert not all(a.use_rope for a in attns)
+    if family == "cohere2":  # (rotates only in its sliding layers)
+        assert all(attns[i].sliding_window is None for i in full)
     for i in full:
         assert seen[i].shape == own[i].shape == (1, 4, new, 16)
         torch.testing.assert_close(seen[i], own[i])
+
+
+#: families whose attention rotates its queries in some layers only, each with what its tiny
+#: model needs besides `families._BASE` (layers alternate sliding and full attention)
+_SOME_LAYERS_ROTATE = {
+    "exaone4": {}, "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "kolibri1": {}, "cohere2": {}, "flint": {},
+    "cohere2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_layer_types=["dense", "dense", "sparse", "sparse"], prefix_dense_sliding_window_pattern=1,
+    ),
+    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "smollm3": {}, "gemma3_text": {},  # (Gemma 3 rotates in every layer)
+}
+
+
+@pytest.mark.parametrize("family", sorted(_SOME_LAYERS_ROTATE))
+def test_the_capture_rotates_the_queries_of_the_layers_whose_attention_rotates_them(family):
+    """`hooks._rotates` says of every attention layer what its forward does: rotate the
+    queries with the family's ``apply_rotary_pos_emb`` or leave them as they are (the
+    global layers of EXAONE 4, Cohere 2 and their kin, SmolLM3's NoPE layers)."""
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from families import _BASE
+    from impress_cache.hf.hooks import _rotates
+
+    try:
+        config = AutoConfig.for_model(
+            family, **{**_BASE, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2, **_SOME_LAYERS_ROTATE[family]}
+        )
+    except ValueError:  # a family this transformers does not have
+        pytest.skip(f"transformers has no {family}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    attns = [layer.self_attn for layer in model.model.layers]
+    modeling = sys.modules[type(attns[0]).__module__]
+    rotate = modeling.apply_rotary_pos_emb
+    current: list[int] = []
+    rotated: set[int] = set()
+
+    def recording_rotate(*args, **kwargs):
+        rotated.add(current[-1])
+        return rotate(*args, **kwargs)
+
+    handles = [a.register_forward_pre_hook(lambda m, args: current.append(m.layer_idx)) for a in attns]
+    try:
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+            mp.setattr(modeling, "apply_rotary_pos_emb", recording_rotate)
+            model(_ids(1, 12))
+    finally:
+        for h in handles:
+            h.remove()
+    assert {a.layer_idx for a in attns if _rotates(a)} == rotated
+    if family != "gemma3_text":
+        assert rotated != {a.layer_idx for a in attns}  # a layer that does not rotate is there

@@ -214,22 +214,30 @@ def _rotate(attn: torch.nn.Module, q: torch.Tensor, rope: Any) -> torch.Tensor:
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
 
 
-#: families whose full-attention layers take no rotary embedding in a model with a sliding
-#: window (their attention rotates ``if self.sliding_window is None or self.is_sliding``)
-_UNROTATED_GLOBAL = frozenset({"exaone4", "exaone4_5", "exaone_moe"})
+#: families whose attention rotates the queries in some layers only (their ``forward``
+#: calls ``apply_rotary_pos_emb`` under these conditions; the others' layers take no
+#: position embeddings: global layers, NoPE); `_rotates`
+_ROTATES_IF: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(
+        ("exaone4", "exaone4_5", "exaone_moe", "kolibri1"),
+        lambda a: getattr(a, "sliding_window", None) is None or bool(getattr(a, "is_sliding", False)),
+    ),
+    **dict.fromkeys(("cohere2", "flint"), lambda a: getattr(a, "sliding_window", None) is not None),
+    "cohere2_moe": lambda a: getattr(a, "sliding_window", None) is not None or bool(getattr(a, "force_rope", False)),
+    "afmoe": lambda a: bool(getattr(a, "is_local_attention", True)),
+}
 
 
 def _rotates(attn: torch.nn.Module) -> bool:
     """Whether ``attn`` rotates its queries: not in the layers without position embeddings
-    (NoPE) of SmolLM3 and Llama 4 (``use_rope`` false) and of the EXAONE 4 families' global
-    layers."""
+    (NoPE) of SmolLM3 and Llama 4 (``use_rope`` false) and of the families in
+    `_ROTATES_IF` (the global layers of EXAONE 4, Cohere 2 and their kin)."""
     use_rope = getattr(attn, "use_rope", None)
     if use_rope is not None:
         return bool(use_rope)
     family = type(attn).__module__.rpartition(".modeling_")[2]
-    if family in _UNROTATED_GLOBAL:
-        return getattr(attn, "sliding_window", None) is None or bool(getattr(attn, "is_sliding", False))
-    return True
+    rotates = _ROTATES_IF.get(family)
+    return True if rotates is None else rotates(attn)
 
 
 def _heads_first(out: torch.Tensor, positions: int | None) -> bool:

@@ -101,7 +101,8 @@ def _keep_converted(model: Any, tok: Any, target: Path, name: str) -> None:
         tok.save_pretrained(tmp)
         (tmp / CONVERTED_MARK).write_text(json.dumps({"gguf": name, "weights_crc32c": _weights_crc(tmp)}))
         os.replace(tmp, target)
-    except OSError as exc:  # a full disk, a read-only home, another process first
+    except Exception as exc:  # noqa: BLE001 - a full disk, a read-only home, another process first
+        # (safetensors and tokenizers report a failed write as errors of their own, not OSError)
         log.info("keeping the converted model in %s failed: %s", target, exc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,17 +141,20 @@ def load_gguf(
     loaded = from_converted()
     if loaded is None:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        # kept in float32; another dtype is then read back as a later load reads it
+        # kept in float32, then read back in ``dtype``
         first = dtype if target is None else torch.float32
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=first, attn_implementation=attn).eval()
         if target is not None:
             _keep_converted(model, tok, target, name)
-            if first != dtype:
-                loaded = from_converted()
-                if loaded is None:  # not kept: dequantise to ``dtype`` directly
-                    model = AutoModelForCausalLM.from_pretrained(
-                        folder, gguf_file=name, dtype=dtype, attn_implementation=attn
-                    ).eval()
+            # read back as every later load reads it, whatever the dtype: the config from the
+            # copy's JSON has its nested dicts' keys in another order (Gemma 3's rope
+            # parameters, part of the `ModelSpec` a store records), so this first load
+            # returns the model later ones do
+            loaded = from_converted()
+            if loaded is None and first != dtype:  # not kept: dequantise to ``dtype`` directly
+                model = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=dtype, attn_implementation=attn
+                ).eval()
         if loaded is None:
             loaded = model, tok
     model, tok = loaded
