@@ -17,6 +17,7 @@ wider one) and slices each layer back to its own shape when it is read.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -157,7 +158,7 @@ class ModelSpec:
         diffs = [
             f"{k}: store has {stored.get(k, defaults[k])!r}, model has {mine[k]!r}"
             for k in mine
-            if stored.get(k, defaults[k]) != mine[k]
+            if not _same_value(k, stored.get(k, defaults[k]), mine[k])
         ]
         if diffs:
             raise ModelMismatchError(
@@ -171,6 +172,21 @@ class ModelSpec:
         """The spec a store recorded (fields it does not know are ignored)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in record.items() if k in names})
+
+
+def _same_value(name: str, stored: Any, mine: Any) -> bool:
+    """Whether a recorded field equals the model's. ``rope`` is compared by value: its
+    text lists the top-level parameters in sorted order, but nested dicts (per layer type:
+    Gemma 3) keep the config's key order, which a config saved and read back (a converted
+    GGUF model, a ``save_pretrained`` copy) may change."""
+    if stored == mine:
+        return True
+    if name == "rope" and isinstance(stored, str) and isinstance(mine, str):
+        try:
+            return bool(ast.literal_eval(stored) == ast.literal_eval(mine))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return False
+    return False
 
 
 def text_config(model: torch.nn.Module) -> Any:

@@ -186,3 +186,23 @@ def test_prompt_lookup_through_a_generate_looked_up_before_the_hooks_is_refused(
             cache = ImpressCache(store, doc) if bound else ImpressCache(store)
             with pytest.raises(CacheUsageError, match="prompt-lookup|assisted"):
                 generate(doc, max_new_tokens=4, prompt_lookup_num_tokens=2, do_sample=False, **{CACHE_KWARG: cache})
+
+
+def test_a_model_whose_nested_rope_parameters_come_back_in_another_key_order_is_the_same_model(tmp_path):
+    """Gemma 3 keeps its rope parameters per layer type; a config saved and read back (a
+    converted GGUF model, a ``save_pretrained`` copy) may list each one's keys in another
+    order. The store compares them by value: the same model opens its store, another
+    rope theta is still refused."""
+    from families import family_model
+
+    from impress_cache import ModelMismatchError
+
+    model = family_model("gemma3_text")
+    ImpressStore(tmp_path, model, CFG).close()
+    rope = model.config.rope_parameters
+    model.config.rope_parameters = {kind: dict(reversed(list(p.items()))) for kind, p in rope.items()}
+    assert [list(p) for p in model.config.rope_parameters.values()] != [list(p) for p in rope.values()]
+    ImpressStore(tmp_path, model, CFG).close()
+    model.config.rope_parameters = {kind: {**p, "rope_theta": p["rope_theta"] * 2} for kind, p in rope.items()}
+    with pytest.raises(ModelMismatchError, match="rope"):
+        ImpressStore(tmp_path, model, CFG)
