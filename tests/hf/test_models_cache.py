@@ -6,6 +6,7 @@ loaded; a copy that cannot be written costs only the next load."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -99,3 +100,20 @@ def test_the_first_load_gives_the_model_later_loads_give(tmp_path, monkeypatch):
     for text in ["", "The quick brown fox.", "<start_of_turn>user\nhi<end_of_turn>"]:
         ids = first_tok(text).input_ids
         assert ids == later_tok(text).input_ids and ids[:1] == [first_tok.bos_token_id]
+
+
+def test_a_conversion_s_folder_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path):
+    """A conversion killed mid-write leaves its temporary folder (0.5-1.1 GB); the next
+    conversion into the same name removes it, and leaves a live process's alone."""
+    from impress_cache.tools.models import _remove_abandoned
+
+    target = tmp_path / "converted" / "model-0123"
+    target.parent.mkdir()
+    gone = target.parent / f".{target.name}.{2**22 + 11}.part"  # above Linux's largest pid
+    alive = target.parent / f".{target.name}.{os.getppid()}.part"
+    other = target.parent / ".another-model.12.part"
+    for d in (gone, alive, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 100)
+    _remove_abandoned(target)
+    assert not gone.exists() and alive.exists() and other.exists()

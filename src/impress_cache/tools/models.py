@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: written last into a converted model's folder: the GGUF file's name and the weights' crc32c
+#: written last into a converted model's folder: the GGUF file's name and its files' crc32c
 CONVERTED_MARK = "impress-converted.json"
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,14 +74,33 @@ def _converted_dir(folder: Path, name: str) -> Path:
     return models_cache_dir() / "converted" / f"{Path(name).stem}-{_sha256(folder / name)[:16]}"
 
 
-def _weights_crc(folder: Path) -> int:
-    """crc32c of the converted weights, kept beside them: a damaged file is converted
-    again, never loaded."""
+def _files_crc(folder: Path) -> int:
+    """crc32c of every file of a converted copy (weights, config, tokenizer; in name order,
+    each name included), kept beside them: a damaged copy is converted again, never loaded."""
     crc = 0
-    with open(folder / "model.safetensors", "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = crc32c.crc32c(chunk, crc)
+    for path in sorted(folder.iterdir()):
+        if path.name == CONVERTED_MARK:
+            continue
+        crc = crc32c.crc32c(path.name.encode(), crc)
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = crc32c.crc32c(chunk, crc)
     return crc
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Remove the temporary folders of conversions into ``target`` whose process is gone
+    (killed mid-write; 0.5-1.1 GB each)."""
+    for part in target.parent.glob(f".{target.name}.*.part"):
+        pid = part.name.rsplit(".", 2)[-2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(part, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass
 
 
 def _keep_converted(model: Any, tok: Any, target: Path, name: str) -> None:
@@ -93,13 +112,14 @@ def _keep_converted(model: Any, tok: Any, target: Path, name: str) -> None:
     tmp = target.parent / f".{target.name}.{os.getpid()}.part"
     try:
         tmp.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(target)
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the weights are dequantised
         type(model.config).from_dict(config).save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))  # tied weights written once
         tok.save_pretrained(tmp)
-        (tmp / CONVERTED_MARK).write_text(json.dumps({"gguf": name, "weights_crc32c": _weights_crc(tmp)}))
+        (tmp / CONVERTED_MARK).write_text(json.dumps({"gguf": name, "files_crc32c": _files_crc(tmp)}))
         os.replace(tmp, target)
     except Exception as exc:  # noqa: BLE001 - a full disk, a read-only home, another process first
         # (safetensors and tokenizers report a failed write as errors of their own, not OSError)
@@ -127,8 +147,8 @@ def load_gguf(
             return None
         try:
             mark = json.loads((target / CONVERTED_MARK).read_text())
-            if mark.get("weights_crc32c") != _weights_crc(target):
-                raise ValueError("the weights do not match their checksum")
+            if mark.get("files_crc32c") != _files_crc(target):
+                raise ValueError("its files do not match their checksum")
             return (
                 AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation=attn).eval(),
                 AutoTokenizer.from_pretrained(target),
