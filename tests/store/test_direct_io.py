@@ -293,3 +293,23 @@ def test_a_store_with_more_files_than_its_descriptor_cap_keeps_at_most_the_cap_o
         assert len(kept) == files._fds == 3
         files.drop(list(files._open))
         assert files._fds == 0 and _chunk_descriptors(tmp_path) == 0
+
+
+def test_two_stores_share_one_descriptor_budget(tmp_path, monkeypatch):
+    """The cap is the process's (`DESCRIPTORS`), not each store's: two open stores (a
+    server's tenants) keep at most that many descriptors between them, every row still
+    the stored one, and closing a store gives its share back."""
+    from impress_cache.store import chunkfiles
+
+    budget = chunkfiles.DESCRIPTORS
+    monkeypatch.setattr(budget, "cap", budget.used + 3)  # two files would keep 4
+    a, ta, ka, va = _stored(tmp_path / "a", True, n=40)
+    b, tb, kb, vb = _stored(tmp_path / "b", True, n=48)
+    with a, b:
+        for store, t, k, v in ((a, ta, ka, va), (b, tb, kb, vb)) * 2:
+            for layer, buf in enumerate(_read_all(store, t)):
+                assert torch.equal(buf[0], k[layer]) and torch.equal(buf[1], v[layer])
+        kept = a._catalog.files._fds + b._catalog.files._fds
+        assert kept == 3 and budget.used == budget.cap
+        assert _chunk_descriptors(tmp_path / "a") + _chunk_descriptors(tmp_path / "b") == kept
+    assert budget.used == budget.cap - 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,10 +28,38 @@ WRITTEN_KEEP = 64
 
 
 def descriptor_cap() -> int:
-    """How many chunk-file descriptors a store keeps open at most: a quarter of this
-    process's descriptor limit (``ulimit -n``; 256 of the usual 1024), at least 16."""
+    """How many chunk-file descriptors the stores of this process keep open at most,
+    together: a quarter of its descriptor limit (``ulimit -n``; 256 of the usual 1024),
+    at least 16."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 4096 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+
+
+class DescriptorBudget:
+    """The descriptors every store of this process keeps with its chunk files, at most
+    ``cap`` (`descriptor_cap`): one budget, so that many open stores (a server's tenants)
+    cannot run the process out of descriptors between them. Its lock is a leaf: nothing
+    is taken while it is held."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.cap:
+                return False
+            self.used += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.used -= 1
+
+
+#: the budget of every store of this process
+DESCRIPTORS = DescriptorBudget(descriptor_cap())
 
 
 #: `open_direct`: no ``O_DIRECT`` descriptor for this read, none refused either (`TRANSIENT`)
@@ -134,10 +163,11 @@ class OpenFiles:
         self._row_bytes, self._records = row_bytes, records
         self._open: dict[int, OpenFile] = {}
         self._written: OrderedDict[int, NewFile] = OrderedDict()  # (`seed`)
-        #: descriptors kept with files (`fd`, `direct_fd`), at most `max_fds`: past it a
-        #: read opens its file for itself (and through the page cache), so that a store
-        #: with more files than the process may open never runs it out of descriptors
-        self.max_fds = descriptor_cap()
+        #: descriptors kept with files (`fd`, `direct_fd`), at most `max_fds` here and
+        #: `DESCRIPTORS.cap` with the process's other stores: past either a read opens its
+        #: file for itself (and through the page cache), so that stores with more files
+        #: than the process may open never run it out of descriptors
+        self.max_fds = DESCRIPTORS.cap
         self._fds = 0
 
     def ids(self) -> list[int]:
@@ -186,12 +216,12 @@ class OpenFiles:
         then opens the file for that read only and closes it after (or finds it gone)."""
         if f.fd is not None:
             return f.fd
-        if self._fds >= self.max_fds:
-            return None  # (read without the lock: a hint) the reader opens it for this read
+        if self._fds >= self.max_fds or DESCRIPTORS.used >= DESCRIPTORS.cap:
+            return None  # (read without the locks: a hint) the reader opens it for this read
         fd = open_chunk(f, self._chunks_fd)
         with self._lock:
             kept = self._open.get(f.record.id) is f
-            if kept and f.fd is None and self._fds < self.max_fds:
+            if kept and f.fd is None and self._fds < self.max_fds and DESCRIPTORS.take():
                 f.fd, fd = fd, -1
                 self._fds += 1
         if fd >= 0:
@@ -207,14 +237,14 @@ class OpenFiles:
         if kept_dfd is not None:
             return kept_dfd if kept_dfd >= 0 else None
         fd = self.fd(f)
-        if fd is None or self._fds >= self.max_fds:
+        if fd is None or self._fds >= self.max_fds or DESCRIPTORS.used >= DESCRIPTORS.cap:
             return None
         dfd = open_direct(f, fd, self._chunks_fd)
         if dfd == NOT_NOW:
             return None  # this read only: a later one tries again
         with self._lock:
             kept = self._open.get(f.record.id) is f and f.fd == fd
-            if kept and f.dfd is None and (dfd < 0 or self._fds < self.max_fds):
+            if kept and f.dfd is None and (dfd < 0 or (self._fds < self.max_fds and DESCRIPTORS.take())):
                 self._fds += dfd >= 0
                 f.dfd, dfd = dfd, -1  # kept with ``f`` now (or the refusal remembered)
             kept_dfd = f.dfd if kept else None
@@ -233,10 +263,12 @@ class OpenFiles:
                     os.close(f.fd)
                     f.fd = None
                     self._fds -= 1
+                    DESCRIPTORS.give()
                 if f is not None and f.dfd is not None:
                     if f.dfd >= 0:
                         os.close(f.dfd)
                         self._fds -= 1
+                        DESCRIPTORS.give()
                     f.dfd = None
 
 
