@@ -83,19 +83,18 @@ def test_a_copy_that_cannot_be_written_is_not_kept_and_raises_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_first_load_gives_the_model_later_loads_give(tmp_path, monkeypatch):
+def test_the_first_load_gives_the_model_later_loads_give(tmp_path):
     """The load that converts the GGUF file returns the model as later loads read it back
     from the copy: the same `ModelSpec` (Gemma 3's per-layer-type rope parameters come
     back from the copy's JSON with their keys in another order, which changed the spec's
     ``rope``: a store written after the first load refused the model of every later one)
     and a tokenizer that encodes the same (its beginning-of-sequence token too)."""
     from impress_cache.model_info import model_spec
-    from impress_cache.tools.models import GEMMA3_FILE, gemma3_270m_path
+    from impress_cache.tools import load_gemma3_270m
 
-    folder = gemma3_270m_path()  # (assembled in the usual models cache)
-    monkeypatch.setenv("IMPRESS_CACHE_MODELS", str(tmp_path))
-    first_model, first_tok = load_gguf(folder, GEMMA3_FILE)
-    later_model, later_tok = load_gguf(folder, GEMMA3_FILE)
+    first_model, first_tok = load_gemma3_270m(cache_dir=tmp_path)  # assembled, converted, kept there
+    assert len(list((tmp_path / "converted").iterdir())) == 1  # the copy follows ``cache_dir``
+    later_model, later_tok = load_gemma3_270m(cache_dir=tmp_path)
     assert model_spec(first_model) == model_spec(later_model)
     for text in ["", "The quick brown fox.", "<start_of_turn>user\nhi<end_of_turn>"]:
         ids = first_tok(text).input_ids
