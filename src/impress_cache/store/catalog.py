@@ -137,6 +137,9 @@ class Catalog:
         #: the ids of the files a lease of this process holds: see `_forget_dropped`
         self.held: Callable[[], Container[int]] = frozenset
         self._forget_later: dict[int, FileRecord] = {}
+        #: names of chunk files being moved to quarantine (`StoreGC.quarantine`): out of the
+        #: index once its removal commits, but not leftovers to delete (`leftovers._scan`)
+        self.moving_aside: set[str] = set()
         self._load()
 
     @property

@@ -73,6 +73,19 @@ class StoreGC:
             self._forget_in_memory(file_id, reason)
             return True
         changes = TreeChanges()
+        with catalog.lock:  # (the leftover scan reads the records and this set in one view)
+            known = catalog.records.get(file_id)
+            if known is not None:
+                catalog.moving_aside.add(known.name)
+        try:
+            return self._quarantine(file_id, reason, changes)
+        finally:
+            if known is not None:
+                with catalog.lock:
+                    catalog.moving_aside.discard(known.name)
+
+    def _quarantine(self, file_id: int, reason: str, changes: TreeChanges) -> bool:
+        catalog = self._catalog
         with catalog.transaction() as tx:
             for node in self._dependents(file_id):
                 changes.remove_leaf(catalog, tx.conn, node)

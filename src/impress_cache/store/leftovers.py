@@ -90,7 +90,7 @@ def _scan(catalog: Catalog, file_mode: int, deferred: Callable[[], set[str]]) ->
         with catalog.lock:  # one view: a file leaves the records and joins the deferred ones under this lock
             known = catalog.records.names()
             odd = catalog.records.odd_names()
-            waiting = deferred()
+            waiting = deferred() | catalog.moving_aside
         for name in rest:
             if name in known and name not in odd and name.endswith(_SUFFIXES):
                 continue  # an indexed chunk file (one replaced by something else: quarantined when read)
@@ -114,7 +114,7 @@ def _scan(catalog: Catalog, file_mode: int, deferred: Callable[[], set[str]]) ->
         )
     for name in orphans:
         if name in waiting:
-            continue  # left the index; unlinked when the last lease on it goes
+            continue  # left the index; unlinked when the last lease on it goes (or being quarantined)
         if not name.endswith(".tmp") and catalog.index.has_file(name):
             log.warning("%s is in the index but not in this store's view of it; keeping it", name)
             catalog.mark_stale()
