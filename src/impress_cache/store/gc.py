@@ -73,23 +73,24 @@ class StoreGC:
             self._forget_in_memory(file_id, reason)
             return True
         changes = TreeChanges()
-        with catalog.lock:  # (the leftover scan reads the records and this set in one view)
-            known = catalog.records.get(file_id)
-            if known is not None:
-                catalog.moving_aside.add(known.name)
+        moving: list[str] = []
         try:
-            return self._quarantine(file_id, reason, changes)
+            return self._quarantine(file_id, reason, changes, moving)
         finally:
-            if known is not None:
-                with catalog.lock:
-                    catalog.moving_aside.discard(known.name)
+            catalog.moving_aside.difference_update(moving)
 
-    def _quarantine(self, file_id: int, reason: str, changes: TreeChanges) -> bool:
+    def _quarantine(self, file_id: int, reason: str, changes: TreeChanges, moving: list[str]) -> bool:
         catalog = self._catalog
         with catalog.transaction() as tx:
             for node in self._dependents(file_id):
                 changes.remove_leaf(catalog, tx.conn, node)
             record = catalog.records.get(file_id) or catalog.index.file(file_id)
+            if record is not None:
+                # named before the removal commits, so the leftover scan, which reads this
+                # set with the records in one view, never takes the file for a leftover
+                # between the commit and the move aside (one set operation: atomic)
+                catalog.moving_aside.add(record.name)
+                moving.append(record.name)
             dropped = changes.drop_unreferenced_files(catalog, tx.conn)
         # committed, and the tree follows it
         removed = [node.id for node in changes.removed]
