@@ -174,11 +174,24 @@ class ModelSpec:
         return cls(**{k: v for k, v in record.items() if k in names})
 
 
+def _sorted_dicts(value: Any) -> Any:
+    """``value`` with every dict in it rebuilt in sorted key order, so that its ``repr``
+    does not depend on the order a config listed the keys in (`model_spec`'s ``rope``)."""
+    if isinstance(value, dict):
+        return {k: _sorted_dicts(value[k]) for k in sorted(value, key=repr)}
+    if isinstance(value, list):
+        return [_sorted_dicts(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_sorted_dicts(v) for v in value)
+    return value
+
+
 def _same_value(name: str, stored: Any, mine: Any) -> bool:
     """Whether a recorded field equals the model's. ``rope`` is compared by value: its
-    text lists the top-level parameters in sorted order, but nested dicts (per layer type:
-    Gemma 3) keep the config's key order, which a config saved and read back (a converted
-    GGUF model, a ``save_pretrained`` copy) may change."""
+    text lists every level of the parameters in sorted key order (`_sorted_dicts`), but
+    stores written before that kept the config's order in nested dicts (per layer type:
+    Gemma 3), which a config saved and read back (a converted GGUF model, a
+    ``save_pretrained`` copy) may change."""
     if stored == mine:
         return True
     if name == "rope" and isinstance(stored, str) and isinstance(mine, str):
@@ -293,7 +306,7 @@ def model_spec(model: torch.nn.Module, kv_dtype: str = "auto", kv_codec: str | N
         head_dim=head_dim,
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
-        rope=repr(sorted(rope.items())) if isinstance(rope, dict) else repr(rope),
+        rope=repr(sorted((k, _sorted_dicts(v)) for k, v in rope.items())) if isinstance(rope, dict) else repr(rope),
         kv_dtype=kv_dtype,
         weights_sha256=weights_fingerprint(model),
         layers="" if uniform else json.dumps([i.as_list() for i in infos]),

@@ -191,18 +191,30 @@ def test_prompt_lookup_through_a_generate_looked_up_before_the_hooks_is_refused(
 def test_a_model_whose_nested_rope_parameters_come_back_in_another_key_order_is_the_same_model(tmp_path):
     """Gemma 3 keeps its rope parameters per layer type; a config saved and read back (a
     converted GGUF model, a ``save_pretrained`` copy) may list each one's keys in another
-    order. The store compares them by value: the same model opens its store, another
-    rope theta is still refused."""
+    order. The spec records them in sorted order at every level (so a remote tier's
+    namespace, a digest of the spec, is the same too), and the store compares them by
+    value (a store written before recorded nested keys in the config's order): the same
+    model opens its store, another rope theta is still refused."""
     from families import family_model
 
     from impress_cache import ModelMismatchError
+    from impress_cache.model_info import model_spec
+    from impress_cache.store.binding import ProbeSpec
+    from impress_cache.store.remote.objects import namespace
 
     model = family_model("gemma3_text")
     ImpressStore(tmp_path, model, CFG).close()
+    spec, probe = model_spec(model), ProbeSpec(query_heads=(0,), kv_heads=(0,), encoding="int4", head_dim=8)
     rope = model.config.rope_parameters
     model.config.rope_parameters = {kind: dict(reversed(list(p.items()))) for kind, p in rope.items()}
     assert [list(p) for p in model.config.rope_parameters.values()] != [list(p) for p in rope.values()]
+    assert model_spec(model).rope == spec.rope
+    assert namespace(model_spec(model), probe) == namespace(spec, probe)
     ImpressStore(tmp_path, model, CFG).close()
+    # a store written before the spec sorted nested keys recorded them in the config's order
+    unsorted = repr(sorted(rope.items()))  # (the config's own order: rope_type before rope_theta)
+    assert unsorted != spec.rope
+    spec.check_same({**spec.to_dict(), "rope": unsorted}, "an older store")
     model.config.rope_parameters = {kind: {**p, "rope_theta": p["rope_theta"] * 2} for kind, p in rope.items()}
     with pytest.raises(ModelMismatchError, match="rope"):
         ImpressStore(tmp_path, model, CFG)
