@@ -4,6 +4,7 @@ removable."""
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 
 import pytest
@@ -223,3 +224,42 @@ def test_the_capture_rotates_the_queries_of_the_layers_whose_attention_rotates_t
     assert {a.layer_idx for a in attns if _rotates(a)} == rotated
     if family != "gemma3_text":
         assert rotated != {a.layer_idx for a in attns}  # a layer that does not rotate is there
+
+
+def test_llama4_queries_of_layers_without_rope_are_captured_with_their_temperature(tmp_path, monkeypatch):
+    """Llama 4 scales the queries of its layers without RoPE by a temperature that grows
+    with the position (``attn_temperature_tuning``); the capture scales them the same, so
+    sparse selection there scores with the queries the attention uses (a small
+    ``floor_scale`` makes the factor differ from 1 at these positions)."""
+    import sys
+
+    from families import family_model
+
+    model = family_model("llama4_text", attn="eager", floor_scale=8, attn_scale=0.5)
+    attns = [layer.self_attn for layer in model.model.layers]
+    nope = [i for i, a in enumerate(attns) if not a.use_rope]
+    assert nope and all(a.attn_temperature_tuning for a in attns)
+    modeling = sys.modules[type(attns[0]).__module__]
+    own: dict[int, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    attend, capture, new = modeling.eager_attention_forward, ImpressCache.capture_queries, 12
+
+    def recording_attend(module, query, *args, **kwargs):
+        own.setdefault(module.layer_idx, query[..., -new:, :].detach().clone())
+        return attend(module, query, *args, **kwargs)
+
+    def recording_capture(self, layer_idx, queries):
+        seen.setdefault(layer_idx, queries.detach().clone())
+        return capture(self, layer_idx, queries)
+
+    doc = _ids(5, 128)
+    store_dense(tmp_path, model, doc)
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
+    with ImpressStore(tmp_path, model, cfg) as store:
+        monkeypatch.setattr(modeling, "eager_attention_forward", recording_attend)
+        monkeypatch.setattr(ImpressCache, "capture_queries", recording_capture)
+        run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)
+    factor = math.log1p((doc.shape[1] + 1) // 8) * 0.5 + 1.0  # at the first new token
+    assert factor > 2
+    for i in nope:
+        torch.testing.assert_close(seen[i], own[i])

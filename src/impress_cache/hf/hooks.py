@@ -240,6 +240,16 @@ def _rotates(attn: torch.nn.Module) -> bool:
     return True if rotates is None else rotates(attn)
 
 
+def _temperature(attn: torch.nn.Module, q: torch.Tensor, past: int) -> torch.Tensor:
+    """``[batch, heads, n, head_dim]`` queries of a layer without RoPE scaled as Llama 4's
+    attention scales them (attention temperature tuning): by ``1 + attn_scale *
+    log1p(floor((p + 1) / floor_scale))`` at position ``p``, the first new token at
+    ``past``, the cache's length as the attention asks for it."""
+    pos = torch.arange(q.shape[-2], device=q.device, dtype=torch.float32) + past
+    scales = torch.log1p(torch.floor((pos + 1.0) / attn.floor_scale)) * attn.attn_scale + 1.0
+    return (q * scales.view(1, 1, -1, 1)).to(q.dtype)
+
+
 def _heads_first(out: torch.Tensor, positions: int | None) -> bool:
     """Whether a 4-D output of a query norm is ``[batch, heads, n, head_dim]`` already
     (Gemma 3, EXAONE 4 norm the queries after the transpose) rather than ``[batch, n,
@@ -295,6 +305,8 @@ def _install_query_capture(model: torch.nn.Module, cache_type: type) -> list[Any
                     q = output.reshape(output.shape[0], output.shape[1], -1, head_dim).transpose(1, 2)
                 if rope is not None and _rotates(attn):
                     q = _rotate(attn, q, rope)
+                if getattr(attn, "attn_temperature_tuning", False) and not getattr(attn, "use_rope", True):
+                    q = _temperature(attn, q, cache.get_seq_length(attn.layer_idx))
             except (RuntimeError, TypeError, ValueError) as exc:  # a family that rotates queries its own way
                 _warn_once(type(attn).__name__, exc)
                 return
