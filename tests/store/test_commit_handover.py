@@ -212,7 +212,7 @@ def test_a_file_removed_while_it_is_opened_is_not_kept(tmp_path):
             del catalog.index.block_table
         assert f.record.id == fid
         assert fid not in catalog.files.ids()  # not kept: nobody would forget it again
-        assert catalog.fd(f) is None and f.fd is None  # no descriptor kept with it either
+        assert catalog.lend(f) is None and f.fd is None  # no descriptor kept with it either
         other = store.match(a).segments[-1].file_id
         assert catalog.open_file(other) is catalog.open_file(other)  # a file still indexed is kept
 

@@ -185,15 +185,18 @@ def test_direct_io_takes_only_its_three_values():
 
 def test_a_file_dropped_while_its_o_direct_descriptor_is_looked_up(tmp_path):
     """`OpenFiles.drop` (another thread evicting or quarantining the file) runs between
-    `direct_fd`'s looks at the kept descriptor: the lookup answers instead of failing,
-    and the buffered descriptor asked for next (`direct.plan_rows`) is ``None``, so the
-    reader does not use the one answered (`reader._read_placed`). The drop is made to
-    land there by a file record that drops itself when first asked."""
+    `lend`'s first look at the kept ``O_DIRECT`` descriptor and its lending: nothing is
+    lent (the reader opens the file for itself), both descriptors are closed at once (no
+    reader holds them) and counted out. The drop is made to land there by a file record
+    that drops itself when first asked."""
     store, toks, _, _ = _stored(tmp_path, True)
     with store:
         files = store._catalog.files
         f = files.get(next(iter(store._catalog.records)))
-        assert files.direct_fd(f) is not None  # opened and kept
+        loan = files.lend(f, direct=True)
+        assert loan is not None and loan.dfd is not None  # opened and kept
+        loan.release()
+        kept = files._fds
         seen = []
 
         class DroppedMeanwhile(type(f)):
@@ -204,11 +207,13 @@ def test_a_file_dropped_while_its_o_direct_descriptor_is_looked_up(tmp_path):
                     files.drop([self.record.id])  # (closes both descriptors, clears them)
                 return value
 
-        g = DroppedMeanwhile(**{k: getattr(f, k) for k in ("record", "path", "table", "fd", "dfd", "perm")})
+        g = DroppedMeanwhile(**{k: getattr(f, k) for k in ("record", "path", "table", "fd", "dfd", "perm", "ident")})
         files._open[g.record.id] = g
-        files.direct_fd(g)
-        assert seen and g.fd is None and g.dfd is None
-        assert files.fd(g) is None
+        with files._use:  # (``f`` gives its descriptors to ``g``)
+            f.fd = f.dfd = None
+        assert files.lend(g, direct=True) is None
+        assert seen and g.fd is None and g.dfd is None and g.users == 0
+        assert files._fds == kept - 2 and _chunk_descriptors(tmp_path) == 0
 
 
 def test_out_of_descriptors_is_not_taken_for_a_refusal(tmp_path):
@@ -221,36 +226,38 @@ def test_out_of_descriptors_is_not_taken_for_a_refusal(tmp_path):
     with store:
         files = store._catalog.files
         f = files.get(next(iter(store._catalog.records)))
-        assert files.fd(f) is not None and f.dfd is None
+        loan = files.lend(f)
+        assert loan is not None and loan.dfd is None and f.dfd is None
+        loan.release()
         store.flush()  # (no write of the store's own in the window below)
         probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number: a limit there leaves none
         os.close(probe)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
         try:
-            out = files.direct_fd(f)
+            loan = files.lend(f, direct=True)
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert out is None
-        dfd = files.direct_fd(f)
-        assert dfd is not None and dfd >= 0 and f.dfd == dfd
+        assert loan is not None and loan.fd == f.fd and loan.dfd is None and f.dfd is None
+        loan.release()
+        loan = files.lend(f, direct=True)
+        assert loan is not None and loan.dfd is not None and loan.dfd >= 0 and f.dfd == loan.dfd
+        loan.release()
 
 
-def test_the_buffered_descriptor_closed_before_the_o_direct_one_is_checked(tmp_path):
-    """`open_direct` compares the new ``O_DIRECT`` descriptor with the buffered one, which
-    a `drop` may have closed meanwhile: no descriptor is opened for good (none left open)
-    and no error escapes; the answer is "none" for this read."""
+def test_an_o_direct_descriptor_of_another_file_is_not_kept(tmp_path):
+    """`open_direct` compares the new ``O_DIRECT`` descriptor's file with the one the
+    buffered descriptor has open (its ``(st_dev, st_ino)``): the name led to another file
+    (replaced meanwhile): no descriptor is opened for good (none left open), no error
+    escapes, the answer is "none"."""
     from impress_cache.store.chunkfiles import open_direct
 
     store, toks, _, _ = _stored(tmp_path, True)
     with store:
         files = store._catalog.files
         f = files.get(next(iter(store._catalog.records)))
-        lower, closed = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_RDONLY)
-        os.close(closed)  # a descriptor number not open now (nor the next one opened: ``lower``)
-        os.close(lower)
         before = set(os.listdir("/proc/self/fd"))
-        assert open_direct(f, closed, store._catalog.chunks_fd) < 0
+        assert open_direct(f, (0, 0), store._catalog.chunks_fd) < 0
         assert set(os.listdir("/proc/self/fd")) == before
 
 

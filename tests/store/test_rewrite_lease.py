@@ -28,8 +28,10 @@ def test_a_leased_file_stays_readable_after_its_node_is_rewritten(tmp_path):
         lease = store._leases.hold([old_fid], request=False)
         # the request has opened the old file (its descriptor is kept with it)
         f = store._catalog.open_file(old_fid)
-        fd = store._catalog.fd(f)
-        assert fd is not None
+        loan = store._catalog.lend(f)
+        assert loan is not None
+        fd = loan.fd
+        loan.release()  # (its reads done; the descriptor stays kept with the file)
         assert store.reorganize()["rewritten"] == 1
         assert old_fid not in store._catalog.records  # out of the index, and of the tree
         # the leased file is still this process's, its descriptor open: the request reads it

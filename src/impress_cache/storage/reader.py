@@ -95,6 +95,50 @@ class FileBlocks:
     #: with ``direct_fd``: read a share of runs that is mostly in the page cache through
     #: it (`pagecache.cached_bytes`), the rest with ``O_DIRECT``
     unless_cached: bool = False
+    #: called once when no read of the group uses ``fd`` or ``direct_fd`` any more (they
+    #: were lent for it: `OpenFiles.lend`), by `BlockReader.submit` (see there)
+    done: Callable[[], None] | None = None
+
+
+def release_all(groups: Sequence[FileBlocks]) -> None:
+    """Call every group's ``done``: groups made but never handed to `BlockReader.submit`."""
+    for g in groups:
+        if g.done is not None:
+            g.done()
+
+
+class _Tally:
+    """Calls a group's ``done`` when the last of its reads has ended: one count for
+    the submission of its reads, one more for each read task queued."""
+
+    __slots__ = ("_done", "_n", "_lock")
+
+    def __init__(self, done: Callable[[], None] | None) -> None:
+        self._done, self._n, self._lock = done, 1, threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self._n += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._n -= 1
+            last = self._n == 0
+        if last and self._done is not None:
+            self._done()
+
+    def if_cancelled(self, fut: Future[int]) -> None:
+        if fut.cancelled():  # (never ran: its own `end` never came)
+            self.end()
+
+
+def _counted(tally: _Tally, fn: Callable[..., int], *args: object) -> int:
+    """``fn(*args)`` as one read task of a group: counted out when it ends, before its
+    future is done (a `ReadBatch.wait` that returns finds the group's ``done`` called)."""
+    try:
+        return fn(*args)
+    finally:
+        tally.end()
 
 
 class ReadBatch:
@@ -144,23 +188,48 @@ class BlockReader:
                 e.file_id, e.path, None, np.array([e.offset]), np.array([e.nbytes]),
                 np.array([e.expected], dtype=np.uint32), np.array([e.seed], dtype=np.uint32), np.array([0]),
             )
-            futures.extend(self._submit_group(group, e.dest))
+            self._submit_group(group, e.dest, _Tally(None), futures)
         return ReadBatch(futures).wait()
 
     def submit(self, groups: Sequence[FileBlocks], dest: memoryview, inline: bool = False) -> ReadBatch:
         """Start reading every group's blocks into ``dest`` at their ``dest`` offsets
-        (``inline``: read them now, in this thread; errors still surface at `ReadBatch.wait`)."""
+        (``inline``: read them now, in this thread; errors still surface at `ReadBatch.wait`).
+
+        Takes over every group's ``done``: each is called once, when the last read of its
+        group has ended, whether it read, failed or never started (this call raised
+        before it), and before `ReadBatch.wait` returns."""
         futures: list[Future[int]] = []
-        for g in groups:
-            if g.place is not None:
-                g.place.check(g.nbytes)
-            if inline:
-                futures.append(_now(self._before_then_read if g.before is not None else self._read_all, g, dest))
-            elif g.before is None:
-                futures.extend(self._submit_group(g, dest))
-            else:  # one task: make the blocks present, then read them all
-                futures.append(self._pool.submit(self._before_then_read, g, dest))
+        began = 0
+        try:
+            for g in groups:
+                tally = _Tally(g.done)
+                began += 1
+                try:
+                    if g.place is not None:
+                        g.place.check(g.nbytes)
+                    if inline:
+                        futures.append(_now(self._before_then_read if g.before is not None else self._read_all, g, dest))
+                    elif g.before is None:
+                        self._submit_group(g, dest, tally, futures)
+                    else:  # one task: make the blocks present, then read them all
+                        self._queue(tally, futures, self._before_then_read, g, dest)
+                finally:
+                    tally.end()
+        except BaseException:
+            release_all(groups[began:])
+            raise
         return ReadBatch(futures)
+
+    def _queue(self, tally: _Tally, futures: list[Future[int]], fn: Callable[..., int], *args: object) -> None:
+        """One read task of a group on the pool, counted in its ``tally``."""
+        tally.add()
+        try:
+            fut = self._pool.submit(_counted, tally, fn, *args)
+        except BaseException:
+            tally.end()
+            raise
+        fut.add_done_callback(tally.if_cancelled)
+        futures.append(fut)
 
     def _before_then_read(self, g: FileBlocks, dest: memoryview) -> int:
         assert g.before is not None
@@ -172,19 +241,19 @@ class BlockReader:
             return _read_placed(g, self._runs(g, STAGE_BYTES))
         return sum(_read_run(g, idx, dest) for idx in self._runs(g))
 
-    def _submit_group(self, g: FileBlocks, dest: memoryview) -> list[Future[int]]:
+    def _submit_group(self, g: FileBlocks, dest: memoryview, tally: _Tally, futures: list[Future[int]]) -> None:
         if g.place is None:
-            return [self._pool.submit(_read_run, g, idx, dest) for idx in self._runs(g)]
+            for idx in self._runs(g):
+                self._queue(tally, futures, _read_run, g, idx, dest)
+            return
         # placed rows: the runs in up to `PLACED_SHARES` contiguous shares, each read in
         # file order by one reader thread through its own staging buffer
         runs = self._runs(g, STAGE_BYTES)
         k = min(len(runs), PLACED_SHARES, self._threads)
         cuts = [i * len(runs) // k for i in range(k + 1)]
         ends = g.offsets + g.nbytes  # (a share after the first counts the gap before it: ``after``)
-        return [
-            self._pool.submit(_read_placed, g, runs[a:b], None if a == 0 else int(ends[runs[a - 1][-1]]))
-            for a, b in zip(cuts[:-1], cuts[1:])
-        ]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            self._queue(tally, futures, _read_placed, g, runs[a:b], None if a == 0 else int(ends[runs[a - 1][-1]]))
 
     def _runs(self, g: FileBlocks, max_bytes: int | None = None) -> list[np.ndarray]:
         """The group's blocks cut into runs, each read with one ``preadv`` (a run is at

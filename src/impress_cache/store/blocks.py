@@ -31,7 +31,7 @@ import torch
 from ..model_info import ModelSpec
 from ..storage import kv_codec
 from ..storage.base import KV, BlockKey, block_code
-from ..storage.reader import BlockReader, DirectCounts, FileBlocks, ReadBatch
+from ..storage.reader import BlockReader, DirectCounts, FileBlocks, ReadBatch, release_all
 from ..tiers import DEVICE, HOST, TierManager
 from .blockset import BlockSet, ReadStats, invalid_io_ratio
 from . import direct
@@ -386,19 +386,26 @@ class BlockIO:
         if len(plan.disk):
             flat = (plan.pool if plan.raw is None else plan.raw).view(torch.uint8).reshape(-1).numpy()
             slot_bytes = flat.nbytes // max(1, n)
-            work = []
-            for a, b, f in tables:
-                sel = plan.disk[(plan.disk >= a) & (plan.disk < b)]
-                if not len(sel):
-                    continue
-                t = f.table
-                la, bl = s_layers[sel], s_blocks[sel]
-                work.append(FileBlocks(
-                    f.record.id, f.path, self._catalog.fd(f), t.offsets[kind, la, bl], nbytes[sel],
-                    t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes,
-                    None if self.fill is None or not self.fill.linked(f.record.name, f.record.id)
-                    else functools.partial(self.fill.fill, f.record.id, f.record.name, t.offsets[kind, la, bl], nbytes[sel]),
-                ))
+            work: list[FileBlocks] = []
+            try:
+                for a, b, f in tables:
+                    sel = plan.disk[(plan.disk >= a) & (plan.disk < b)]
+                    if not len(sel):
+                        continue
+                    t = f.table
+                    la, bl = s_layers[sel], s_blocks[sel]
+                    offsets = t.offsets[kind, la, bl]
+                    before = None if self.fill is None or not self.fill.linked(f.record.name, f.record.id) \
+                        else functools.partial(self.fill.fill, f.record.id, f.record.name, offsets, nbytes[sel])
+                    loan = self._catalog.lend(f)  # (open until the reader releases it: `BlockReader.submit`)
+                    work.append(FileBlocks(
+                        f.record.id, f.path, None if loan is None else loan.fd, offsets, nbytes[sel],
+                        t.checksums[kind, la, bl], t.seeds[kind, la, bl], sel * slot_bytes, before,
+                        done=None if loan is None else loan.release,
+                    ))
+            except BaseException:
+                release_all(work)
+                raise
             plan.batch = self._reader.submit(work, memoryview(flat), inline=inline)
         return PendingRead(self, plan)
 

@@ -32,7 +32,7 @@ from ..index.locks import CATALOG, OrderedLock
 from ..index.files import FileRecord, FileTable, NewFile
 from ..index.sqlite import Index
 from .changes import TreeChanges
-from .chunkfiles import FILE_NAME, OpenFile, OpenFiles
+from .chunkfiles import FILE_NAME, Loan, OpenFile, OpenFiles
 from .directory import CreationGate
 
 _T = TypeVar("_T")
@@ -439,13 +439,10 @@ class Catalog:
         """The block table of a file (`OpenFiles.get`)."""
         return self.files.get(file_id)
 
-    def fd(self, f: OpenFile) -> int | None:
-        """A read-only descriptor of a chunk file (`OpenFiles.fd`)."""
-        return self.files.fd(f)
-
-    def direct_fd(self, f: OpenFile) -> int | None:
-        """A second descriptor of a chunk file, opened with ``O_DIRECT`` (`OpenFiles.direct_fd`)."""
-        return self.files.direct_fd(f)
+    def lend(self, f: OpenFile, direct: bool = False) -> Loan | None:
+        """A chunk file's descriptors for one reader, open until it releases them
+        (`OpenFiles.lend`; ``direct``: its ``O_DIRECT`` one as well)."""
+        return self.files.lend(f, direct)
 
     def perm_of(self, file_id: int) -> np.ndarray | None:
         """The row permutation of a reordered file (``None``: rows in prompt order)."""

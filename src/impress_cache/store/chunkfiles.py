@@ -1,16 +1,18 @@
 """The chunk files a store opens (`OpenFiles`, the catalog's open-file table): their
 block tables, read from the index and checked against the store's naming rules, their
-descriptors, and a match checked against what its files say about themselves."""
+descriptors (lent to each read until it is done with them: `Loan`), and a match checked
+against what its files say about themselves."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,13 @@ import numpy as np
 
 from ..errors import CorruptBlockError, StoreFormatError
 from ..index.files import FileRecord, FileTable, NewFile
+from ..index.locks import LEAF, OrderedLock
 from ..index.radix import Match
 from ..index.sqlite import Index
 from ..storage.reader import TRANSIENT, open_chunk_file
 from ..storage.base import BlockTable, context_digest, file_seed
+
+log = logging.getLogger(__name__)
 
 #: files whose block tables `OpenFiles` keeps from their writing until first read (`seed`)
 WRITTEN_KEEP = 64
@@ -70,7 +75,9 @@ FILE_NAME = re.compile(r"^[0-9a-f]{32}\.(safetensors|h5)\Z")
 
 @dataclass
 class OpenFile:
-    """A chunk file this process has looked up: its record, path, block table and fd."""
+    """A chunk file this process has looked up: its record, path, block table and fd.
+    The descriptor fields change under `OpenFiles`' descriptor lock; readers get them
+    through `OpenFiles.lend`, never from these fields."""
 
     record: FileRecord
     path: Path
@@ -81,6 +88,31 @@ class OpenFile:
     dfd: int | None = None
     #: ``perm[layer, r]``, the physical row of logical row ``r``, of a reordered file
     perm: np.ndarray | None = None
+    #: ``(st_dev, st_ino)`` of the file ``fd`` has open (set with it)
+    ident: tuple[int, int] | None = None
+    #: readers that hold a `Loan` of this file's descriptors now
+    users: int = 0
+    #: descriptors `OpenFiles.drop` took from a file while readers held them: closed by
+    #: the last reader's `Loan.release`
+    closing: list[int] = field(default_factory=list)
+
+
+class Loan:
+    """A chunk file's descriptors lent to one reader (`OpenFiles.lend`): ``fd`` (read
+    through the page cache) and ``dfd`` (``O_DIRECT``, or ``None``) stay open, and stay
+    that file's, until `release`, whatever `OpenFiles.drop` does meanwhile (the file
+    forgotten, evicted, quarantined, the store closed). `release` gives them back once;
+    calling it again does nothing."""
+
+    __slots__ = ("fd", "dfd", "_files", "_file")
+
+    def __init__(self, files: OpenFiles, f: OpenFile, fd: int, dfd: int | None) -> None:
+        self.fd, self.dfd = fd, dfd
+        self._files: OpenFiles = files
+        self._file: OpenFile | None = f
+
+    def release(self) -> None:
+        self._files._give_back(self)
 
 
 def read_file(index: Index, chunks: Path, row_bytes: tuple[int, int], file_id: int, record: FileRecord | None) -> OpenFile:
@@ -125,11 +157,12 @@ def open_chunk(f: OpenFile, chunks_fd: int) -> int:
     return fd
 
 
-def open_direct(f: OpenFile, fd: int, chunks_fd: int) -> int:
+def open_direct(f: OpenFile, ident: tuple[int, int], chunks_fd: int) -> int:
     """A second read-only descriptor of ``f``'s chunk file that bypasses the page cache
     (``O_DIRECT``), or ``-1`` where the platform or the file system refuses it, or where
-    the name no longer leads to the file ``fd`` has open (replaced meanwhile), or
-    `NOT_NOW` where the process is out of descriptors or memory for now (`TRANSIENT`)."""
+    the name no longer leads to the file ``ident`` (``(st_dev, st_ino)`` of the buffered
+    descriptor's file) names (replaced meanwhile), or `NOT_NOW` where the process is out
+    of descriptors or memory for now (`TRANSIENT`)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1
@@ -138,10 +171,13 @@ def open_direct(f: OpenFile, fd: int, chunks_fd: int) -> int:
     except OSError as exc:  # EINVAL: no O_DIRECT here; anything else: the buffered descriptor reports it
         return NOT_NOW if exc.errno in TRANSIENT else -1
     try:
-        a, b = os.fstat(fd), os.fstat(dfd)
-        same = (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-    except OSError:  # ``fd`` closed meanwhile (`OpenFiles.drop`)
+        st = os.fstat(dfd)
+        same = (st.st_dev, st.st_ino) == ident
+    except OSError:
         same = False
+    except BaseException:
+        os.close(dfd)
+        raise
     if not same:
         os.close(dfd)
         return -1
@@ -163,12 +199,16 @@ class OpenFiles:
         self._row_bytes, self._records = row_bytes, records
         self._open: dict[int, OpenFile] = {}
         self._written: OrderedDict[int, NewFile] = OrderedDict()  # (`seed`)
-        #: descriptors kept with files (`fd`, `direct_fd`), at most `max_fds` here and
+        #: descriptors kept with files (`lend`), at most `max_fds` here and
         #: `DESCRIPTORS.cap` with the process's other stores: past either a read opens its
         #: file for itself (and through the page cache), so that stores with more files
-        #: than the process may open never run it out of descriptors
+        #: than the process may open never run it out of descriptors. Those of dropped
+        #: files that readers still hold count until they are closed.
         self.max_fds = DESCRIPTORS.cap
         self._fds = 0
+        #: the descriptor fields of the files, their readers and ``_fds`` change under it
+        #: (taken under the catalog's lock or alone; nothing is taken while it is held)
+        self._use = OrderedLock(LEAF, "open-file descriptors", reentrant=False)
 
     def ids(self) -> list[int]:
         with self._lock:
@@ -210,66 +250,113 @@ class OpenFiles:
             while len(self._written) > WRITTEN_KEEP:
                 self._written.popitem(last=False)
 
-    def fd(self, f: OpenFile) -> int | None:
-        """A read-only descriptor of ``f``'s file (`open_chunk`), kept with ``f``; ``None``
-        when ``f`` was dropped meanwhile (its file removed or about to be): the reader
-        then opens the file for that read only and closes it after (or finds it gone)."""
-        if f.fd is not None:
-            return f.fd
-        if self._fds >= self.max_fds or DESCRIPTORS.used >= DESCRIPTORS.cap:
-            return None  # (read without the locks: a hint) the reader opens it for this read
-        fd = open_chunk(f, self._chunks_fd)
-        with self._lock:
-            kept = self._open.get(f.record.id) is f
-            if kept and f.fd is None and self._fds < self.max_fds and DESCRIPTORS.take():
-                f.fd, fd = fd, -1
-                self._fds += 1
-        if fd >= 0:
-            os.close(fd)
-        return f.fd if kept else None
+    def lend(self, f: OpenFile, direct: bool = False) -> Loan | None:
+        """``f``'s descriptors for one reader: the buffered one (`open_chunk`) and, with
+        ``direct``, the ``O_DIRECT`` one (`open_direct`; ``Loan.dfd`` ``None`` where there
+        is none: refused, not now: `NOT_NOW`), kept with ``f`` (opened here the first
+        time). They stay open and stay ``f``'s until the reader calls `Loan.release`,
+        even if `drop` forgets ``f`` meanwhile: the last reader closes them then.
+        ``None`` where there is nothing to lend: ``f`` dropped or never kept (`get`), or
+        no room under `max_fds` or `DESCRIPTORS`; the reader then opens the file for that
+        read only (and through the page cache) and closes it after, or finds it gone."""
+        if f.fd is None:  # (read without the lock: a hint; `_keep` looks again under it)
+            self._keep(f)
+        if direct and f.dfd is None and f.fd is not None:
+            self._keep_direct(f)
+        with self._use:
+            fd, dfd = f.fd, f.dfd
+            if fd is None:
+                return None
+            f.users += 1
+            return Loan(self, f, fd, dfd if direct and dfd is not None and dfd >= 0 else None)
 
-    def direct_fd(self, f: OpenFile) -> int | None:
-        """A descriptor of ``f``'s file opened with ``O_DIRECT`` (`open_direct`), kept with
-        ``f`` beside `fd`'s and closed with it; ``None`` where there is none (refused, not
-        now: `NOT_NOW`, or ``f`` dropped meanwhile: the reader then reads through the page
-        cache)."""
-        kept_dfd = f.dfd  # (read once: a `drop` meanwhile clears it)
-        if kept_dfd is not None:
-            return kept_dfd if kept_dfd >= 0 else None
-        fd = self.fd(f)
-        if fd is None or self._fds >= self.max_fds or DESCRIPTORS.used >= DESCRIPTORS.cap:
-            return None
-        dfd = open_direct(f, fd, self._chunks_fd)
+    def _room(self) -> bool:
+        """Whether one more descriptor may be kept (read without the locks: a hint)."""
+        return self._fds < self.max_fds and DESCRIPTORS.used < DESCRIPTORS.cap
+
+    def _keep(self, f: OpenFile) -> None:
+        """Open ``f``'s buffered descriptor and keep it with ``f`` if ``f`` is still
+        kept here and there is room; else close it again."""
+        if not self._room() or self._open.get(f.record.id) is not f:  # (hints, looked at again below)
+            return
+        fd = open_chunk(f, self._chunks_fd)
+        taken = False
+        try:
+            st = os.fstat(fd)
+            taken = DESCRIPTORS.take()
+            with self._lock, self._use:  # (kept: in the table, which changes under the catalog's lock)
+                if taken and self._open.get(f.record.id) is f and f.fd is None and self._fds < self.max_fds:
+                    f.fd, f.ident, fd, taken = fd, (st.st_dev, st.st_ino), -1, False
+                    self._fds += 1
+        finally:
+            if taken:
+                DESCRIPTORS.give()
+            if fd >= 0:
+                os.close(fd)
+
+    def _keep_direct(self, f: OpenFile) -> None:
+        """Open ``f``'s ``O_DIRECT`` descriptor and keep it beside its buffered one if
+        that one is still kept (``f`` not dropped meanwhile) and there is room; remember a
+        refusal (``dfd`` ``-1``); keep nothing when it is `NOT_NOW` (a later read tries
+        again)."""
+        ident = f.ident
+        if ident is None or not self._room():
+            return
+        dfd = open_direct(f, ident, self._chunks_fd)
         if dfd == NOT_NOW:
-            return None  # this read only: a later one tries again
-        with self._lock:
-            kept = self._open.get(f.record.id) is f and f.fd == fd
-            if kept and f.dfd is None and (dfd < 0 or (self._fds < self.max_fds and DESCRIPTORS.take())):
-                self._fds += dfd >= 0
-                f.dfd, dfd = dfd, -1  # kept with ``f`` now (or the refusal remembered)
-            kept_dfd = f.dfd if kept else None
-        if dfd >= 0:
-            os.close(dfd)
-        return kept_dfd if kept_dfd is not None and kept_dfd >= 0 else None
+            return
+        taken = False
+        try:
+            taken = dfd >= 0 and DESCRIPTORS.take()
+            with self._use:  # (``f.fd`` set: ``f`` is kept, and ``ident`` is its file)
+                if f.fd is not None and f.dfd is None and (dfd < 0 or (taken and self._fds < self.max_fds)):
+                    self._fds += dfd >= 0
+                    f.dfd, dfd, taken = dfd, -1, False
+        finally:
+            if taken:
+                DESCRIPTORS.give()
+            if dfd >= 0:
+                os.close(dfd)
+
+    def _give_back(self, loan: Loan) -> None:
+        """`Loan.release`: the last reader of a dropped file closes its descriptors."""
+        with self._use:
+            f, loan._file = loan._file, None
+            if f is None:
+                return
+            f.users -= 1
+            shut, f.closing = (f.closing, []) if f.users == 0 else ([], f.closing)
+        self._close(shut)
+
+    def _close(self, fds: list[int]) -> None:
+        """Close kept descriptors and count them out (each counted as kept until closed)."""
+        for d in fds:
+            try:
+                os.close(d)
+            except OSError as exc:  # (not expected: the descriptor is this table's alone)
+                log.warning("closing a chunk file's descriptor %d failed: %r", d, exc)
+            finally:
+                with self._use:
+                    self._fds -= 1
+                DESCRIPTORS.give()
 
     def drop(self, file_ids: Iterable[int]) -> None:
-        """Forget files and close their descriptors (a reader that still has one of them
-        gets no reused descriptor number from `fd`: ``None``)."""
+        """Forget files at once and close their descriptors: now, or, for a file whose
+        descriptors readers hold (`lend`), when the last of them calls `Loan.release`
+        (counted as kept until then). A reader that looks the file up again gets a new
+        `OpenFile` (and opens the file again, or finds it gone)."""
+        shut: list[int] = []
         with self._lock:
             for fid in file_ids:
                 self._written.pop(fid, None)
                 f = self._open.pop(fid, None)
-                if f is not None and f.fd is not None:
-                    os.close(f.fd)
-                    f.fd = None
-                    self._fds -= 1
-                    DESCRIPTORS.give()
-                if f is not None and f.dfd is not None:
-                    if f.dfd >= 0:
-                        os.close(f.dfd)
-                        self._fds -= 1
-                        DESCRIPTORS.give()
-                    f.dfd = None
+                if f is None:
+                    continue
+                with self._use:
+                    fds = [d for d in (f.fd, f.dfd) if d is not None and d >= 0]
+                    f.fd = f.dfd = None
+                    (f.closing if f.users else shut).extend(fds)
+            self._close(shut)
 
 
 def check_match(records: FileTable, tokens: np.ndarray, match: Match) -> tuple[int, str] | None:

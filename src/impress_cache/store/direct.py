@@ -28,7 +28,7 @@ import torch
 from ..model_info import ModelSpec
 from ..storage.base import KV
 from ..storage.placed import RowPlacement
-from ..storage.reader import DirectCounts, FileBlocks, ReadBatch
+from ..storage.reader import DirectCounts, FileBlocks, ReadBatch, release_all
 from .blockset import ReadStats
 from .layout import PrefixLayout
 
@@ -40,7 +40,9 @@ def plan_rows(
     io: BlockIO, spec: ModelSpec, layout: PrefixLayout, layer: int, out: torch.Tensor, counts: DirectCounts | None = None,
 ) -> tuple[list[FileBlocks], np.ndarray] | None:
     """The groups that read ``layer`` of ``layout`` into ``out`` and every block's rows,
-    or ``None`` where the pool path must be used (see the module's docstring)."""
+    or ``None`` where the pool path must be used (see the module's docstring). The
+    groups hold descriptors lent to them (`Catalog.lend`): hand them to
+    `BlockReader.submit`, or release them (`reader.release_all`)."""
     view = layout.at(layer)
     runs = view.runs()
     heads, dim = spec.num_kv_heads, spec.head_dim
@@ -59,23 +61,31 @@ def plan_rows(
     groups: list[FileBlocks] = []
     all_rows = np.empty(len(files), dtype=np.int64)
     catalog, fill = io.catalog, io.fill
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        f = catalog.open_file(int(files[a]))
-        t, bl = f.table, blocks[a:b]
-        rows = t.rows[bl]
-        if np.any(r0[a:b] + count[a:b] > rows):  # rows a block does not hold: the pool path's errors
-            return None
-        all_rows[a:b] = rows
-        offsets, nbytes = t.offsets[KV, layer, bl], rows * spec.kv_row_bytes
-        linked = fill is not None and fill.linked(f.record.name, f.record.id)
-        # O_DIRECT: not for a linked file (its blocks were just written by its fill)
-        dfd = catalog.direct_fd(f) if io.direct_io and not linked else None
-        groups.append(FileBlocks(
-            f.record.id, f.path, catalog.fd(f), offsets, nbytes, t.checksums[KV, layer, bl], t.seeds[KV, layer, bl],
-            np.zeros(b - a, dtype=np.int64),
-            functools.partial(fill.fill, f.record.id, f.record.name, offsets, nbytes) if linked else None,
-            RowPlacement(dest, at[a:b], r0[a:b], count[a:b], rows), dfd, counts, io.direct_io == "auto",
-        ))
+    try:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            f = catalog.open_file(int(files[a]))
+            t, bl = f.table, blocks[a:b]
+            rows = t.rows[bl]
+            if np.any(r0[a:b] + count[a:b] > rows):  # rows a block does not hold: the pool path's errors
+                release_all(groups)
+                return None
+            all_rows[a:b] = rows
+            offsets, nbytes = t.offsets[KV, layer, bl], rows * spec.kv_row_bytes
+            linked = fill is not None and fill.linked(f.record.name, f.record.id)
+            place = RowPlacement(dest, at[a:b], r0[a:b], count[a:b], rows)
+            # O_DIRECT: not for a linked file (its blocks were just written by its fill);
+            # the descriptors stay open until the reader releases them (`BlockReader.submit`)
+            loan = catalog.lend(f, direct=bool(io.direct_io) and not linked)
+            groups.append(FileBlocks(
+                f.record.id, f.path, None if loan is None else loan.fd, offsets, nbytes, t.checksums[KV, layer, bl],
+                t.seeds[KV, layer, bl], np.zeros(b - a, dtype=np.int64),
+                functools.partial(fill.fill, f.record.id, f.record.name, offsets, nbytes) if linked else None,
+                place, None if loan is None else loan.dfd, counts, io.direct_io == "auto",
+                None if loan is None else loan.release,
+            ))
+    except BaseException:
+        release_all(groups)
+        raise
     return groups, all_rows
 
 
