@@ -277,7 +277,7 @@ class SparsePrefill:
             self._ahead_hits += len(wanted.intersection(pre_units))
             self._ahead_needed += len(units)
         blocks = self.store.start_layout(
-            lay, KV, [layer_idx], units, [share[u] for u in units], known=self.memo
+            lay, KV, [layer_idx], units, [share[u] for u in units], known=self.memo, inline=True
         ).result()
         self._remember(lay, layer_idx, units, blocks)
         self.stats.io_wait_seconds += time.perf_counter() - t0

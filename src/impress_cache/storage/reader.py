@@ -201,14 +201,15 @@ class BlockReader:
         futures: list[Future[int]] = []
         began = 0
         try:
-            for g in groups:
+            ahead = _ask_ahead(groups, self._runs) if inline else [None] * len(groups)
+            for g, runs in zip(groups, ahead):
                 tally = _Tally(g.done)
                 began += 1
                 try:
                     if g.place is not None:
                         g.place.check(g.nbytes)
                     if inline:
-                        futures.append(_now(self._before_then_read if g.before is not None else self._read_all, g, dest))
+                        futures.append(_now(self._read_all, g, dest, runs) if g.before is None else _now(self._before_then_read, g, dest))
                     elif g.before is None:
                         self._submit_group(g, dest, tally, futures)
                     else:  # one task: make the blocks present, then read them all
@@ -236,10 +237,10 @@ class BlockReader:
         g.before()
         return self._read_all(g, dest)
 
-    def _read_all(self, g: FileBlocks, dest: memoryview) -> int:
+    def _read_all(self, g: FileBlocks, dest: memoryview, runs: list[np.ndarray] | None = None) -> int:
         if g.place is not None:
             return _read_placed(g, self._runs(g, STAGE_BYTES))
-        return sum(_read_run(g, idx, dest) for idx in self._runs(g))
+        return sum(_read_run(g, idx, dest) for idx in (self._runs(g) if runs is None else runs))
 
     def _submit_group(self, g: FileBlocks, dest: memoryview, tally: _Tally, futures: list[Future[int]]) -> None:
         if g.place is None:
@@ -281,11 +282,38 @@ class BlockReader:
         return runs
 
 
-def _now(fn: Callable[[FileBlocks, memoryview], int], g: FileBlocks, dest: memoryview) -> Future[int]:
-    """``fn(g, dest)`` run here, as a finished future (its exception kept for `ReadBatch.wait`)."""
+def _ask_ahead(
+    groups: Sequence[FileBlocks], runs_of: Callable[[FileBlocks], list[np.ndarray]]
+) -> list[list[np.ndarray] | None]:
+    """Ask the kernel for every run of the groups an inline read reads in turn
+    (``POSIX_FADV_WILLNEED``) before reading the first: the device then reads them side
+    by side, as the reader threads' reads would, without handing each run to a thread
+    (a run in the page cache costs a lookup). Returns each group's runs (``None`` for a
+    group not asked for: without a kept descriptor, placed, or filled first)."""
+    out: list[list[np.ndarray] | None] = []
+    hint = True
+    for g in groups:
+        if g.fd is None or g.place is not None or g.before is not None:
+            out.append(None)
+            continue
+        runs = runs_of(g)
+        out.append(runs)
+        ends = g.offsets + g.nbytes
+        for idx in runs if hint else ():
+            start = int(g.offsets[idx[0]])
+            try:
+                os.posix_fadvise(g.fd, start, int(ends[idx[-1]]) - start, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint only: none more
+                hint = False
+                break
+    return out
+
+
+def _now(fn: Callable[..., int], *args: object) -> Future[int]:
+    """``fn(*args)`` run here, as a finished future (its exception kept for `ReadBatch.wait`)."""
     fut: Future[int] = Future()
     try:
-        fut.set_result(fn(g, dest))
+        fut.set_result(fn(*args))
     except Exception as exc:  # noqa: BLE001 - raised again by ReadBatch.wait, like a pool task's
         fut.set_exception(exc)
     return fut
@@ -346,9 +374,14 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
     for off, n, d, want, seed in zip(
         offsets.tolist(), sizes.tolist(), dests.tolist(), g.expected[idx].tolist(), g.seeds[idx].tolist()
     ):
-        if checksum(dest[d : d + n], seed) != want:
+        if checksum(dest[d : d + n], seed, release=n >= RELEASE_BYTES) != want:
             raise CorruptBlockError(f"checksum mismatch in {g.path} at offset {off} ({n} bytes)", g.file_id)
     return end - start
+
+
+#: a block this large is verified with the GIL handed over (`checksum`); a smaller one's
+#: checksum takes less than handing the GIL to another thread and back does
+RELEASE_BYTES = 1 << 16
 
 
 def _read_placed(g: FileBlocks, runs: list[np.ndarray], after: int | None = None) -> int:

@@ -1,0 +1,99 @@
+"""Inline reads (`BlockReader.submit(..., inline=True)`: a sparse layer's chosen blocks,
+read in the request's thread) ask the kernel for all their runs first."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from impress_cache.storage.base import checksum
+from impress_cache.storage.pagecache import cached_bytes
+from impress_cache.storage.reader import BlockReader, FileBlocks, _ask_ahead
+
+BLOCK = 8192  # two pages
+
+
+def _cold_file(path, blocks: int) -> np.ndarray:
+    data = np.random.default_rng(blocks).integers(0, 256, blocks * BLOCK, dtype=np.uint8)
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return data
+
+
+def _group(fd, path, data, chosen, file_id=0):
+    chosen = np.asarray(chosen, dtype=np.int64)
+    offsets = chosen * BLOCK
+    seeds = (chosen * 31).astype(np.uint32)
+    sums = np.array([checksum(data[o : o + BLOCK].tobytes(), int(s)) for o, s in zip(offsets, seeds)], dtype=np.uint32)
+    return FileBlocks(file_id, path, fd, offsets, np.full(len(chosen), BLOCK), sums, seeds, np.arange(len(chosen)) * BLOCK)
+
+
+def _cached(fd, block: int, count: int = 1) -> int:
+    got = cached_bytes(fd, block * BLOCK, count * BLOCK)
+    assert got is not None
+    return got
+
+
+def test_an_inline_read_asks_for_every_run_first_and_nothing_between_them(tmp_path):
+    path = tmp_path / "chunk.bin"
+    data = _cold_file(path, 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the store opens its chunk files
+        if cached_bytes(fd, 0, 64 * BLOCK) is None:
+            pytest.skip("the kernel cannot tell what is in the page cache (no cachestat)")
+        if _cached(fd, 0, 64):
+            pytest.skip("this file system keeps the file in memory (tmpfs): nothing to ask the device for")
+        chosen = [[2, 3, 4], [20], [40, 41], [60]]  # four runs, gaps of whole blocks between them
+        group = _group(fd, path, data, [b for run in chosen for b in run])
+        reader = BlockReader(threads=2)
+        try:
+            runs = _ask_ahead([group], reader._runs)
+            assert [[int(group.offsets[i]) // BLOCK for i in idx] for idx in runs[0]] == chosen
+            deadline = time.monotonic() + 5
+            while _cached(fd, 60) < BLOCK and time.monotonic() < deadline:  # the hint is asynchronous
+                time.sleep(0.01)
+            for run in chosen:
+                assert _cached(fd, run[0], len(run)) == len(run) * BLOCK
+            for gap in (0, 1, 5, 10, 19, 21, 30, 42, 59, 61, 63):
+                assert _cached(fd, gap) == 0, gap
+            # and the inline read gives the chosen blocks, verified
+            out = np.zeros(sum(map(len, chosen)) * BLOCK, dtype=np.uint8)
+            group = _group(fd, path, data, [b for run in chosen for b in run])
+            reader.submit([group], memoryview(out), inline=True).wait()
+            want = np.concatenate([data[b * BLOCK : (b + 1) * BLOCK] for run in chosen for b in run])
+            assert np.array_equal(out, want)
+        finally:
+            reader.close()
+    finally:
+        os.close(fd)
+
+
+def test_an_inline_read_of_a_damaged_block_raises_after_reading_the_rest(tmp_path):
+    from impress_cache import CorruptBlockError
+
+    path = tmp_path / "chunk.bin"
+    data = _cold_file(path, 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        good = _group(fd, path, data, [1, 2, 9])
+        bad = _group(fd, path, data, [5, 12], file_id=7)
+        bad.expected[1] ^= 1
+        out = np.zeros(5 * BLOCK, dtype=np.uint8)
+        bad.dest += 3 * BLOCK
+        reader = BlockReader(threads=2)
+        try:
+            with pytest.raises(CorruptBlockError) as err:
+                reader.submit([bad, good], memoryview(out), inline=True).wait()
+            assert err.value.file_id == 7
+            assert np.array_equal(out[: 3 * BLOCK], np.concatenate([data[b * BLOCK : (b + 1) * BLOCK] for b in (1, 2, 9)]))
+        finally:
+            reader.close()
+    finally:
+        os.close(fd)
