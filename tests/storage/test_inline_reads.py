@@ -97,3 +97,36 @@ def test_an_inline_read_of_a_damaged_block_raises_after_reading_the_rest(tmp_pat
             reader.close()
     finally:
         os.close(fd)
+
+
+def test_an_inline_read_hands_groups_that_fetch_first_to_the_reader_threads(tmp_path):
+    """A group whose blocks must be fetched first (a remote tier's linked file) is read on
+    a reader thread, started before the local groups are read here: remote fetches of
+    several files overlap each other and the local reads."""
+    import threading
+
+    data = {}
+    groups = []
+    for i in range(3):
+        path = tmp_path / f"chunk{i}.bin"
+        data[i] = _cold_file(path, 8)
+        groups.append(_group(None, path, data[i], [1, 4, 5], file_id=i))
+    fetched_on: list[str] = []
+
+    def fetch() -> None:
+        fetched_on.append(threading.current_thread().name)
+
+    for g in groups[1:]:
+        g.before = fetch
+    for k, g in enumerate(groups):
+        g.dest = g.dest + k * 3 * BLOCK
+    out = np.zeros(9 * BLOCK, dtype=np.uint8)
+    reader = BlockReader(threads=2)
+    try:
+        reader.submit(groups, memoryview(out), inline=True).wait()
+    finally:
+        reader.close()
+    assert len(fetched_on) == 2 and threading.current_thread().name not in fetched_on
+    for k in range(3):
+        want = np.concatenate([data[k][b * BLOCK : (b + 1) * BLOCK] for b in (1, 4, 5)])
+        assert np.array_equal(out[k * 3 * BLOCK : (k + 1) * 3 * BLOCK], want)

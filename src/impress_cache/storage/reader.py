@@ -192,13 +192,18 @@ class BlockReader:
         return ReadBatch(futures).wait()
 
     def submit(self, groups: Sequence[FileBlocks], dest: memoryview, inline: bool = False) -> ReadBatch:
-        """Start reading every group's blocks into ``dest`` at their ``dest`` offsets
-        (``inline``: read them now, in this thread; errors still surface at `ReadBatch.wait`).
+        """Start reading every group's blocks into ``dest`` at their ``dest`` offsets.
+        ``inline``: read them now, in this thread, every run asked for first
+        (`_ask_ahead`), except the groups whose blocks must be fetched first (a remote
+        tier's linked files: `FileBlocks.before`), which go to the reader threads before
+        the others are read; errors still surface at `ReadBatch.wait`.
 
         Takes over every group's ``done``: each is called once, when the last read of its
         group has ended, whether it read, failed or never started (this call raised
         before it), and before `ReadBatch.wait` returns."""
         futures: list[Future[int]] = []
+        if inline:  # (stable: the fetched groups first, each kind in the given order)
+            groups = sorted(groups, key=lambda g: g.before is None)
         began = 0
         try:
             ahead = _ask_ahead(groups, self._runs) if inline else [None] * len(groups)
@@ -208,8 +213,8 @@ class BlockReader:
                 try:
                     if g.place is not None:
                         g.place.check(g.nbytes)
-                    if inline:
-                        futures.append(_now(self._read_all, g, dest, runs) if g.before is None else _now(self._before_then_read, g, dest))
+                    if inline and g.before is None:
+                        futures.append(_now(self._read_all, g, dest, runs))
                     elif g.before is None:
                         self._submit_group(g, dest, tally, futures)
                     else:  # one task: make the blocks present, then read them all

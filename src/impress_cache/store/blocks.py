@@ -317,8 +317,9 @@ class BlockIO:
         (`BlockSet.held`): a caller that copies blocks out once (`gather_into`) saves a copy.
         A ``quiet`` read (maintenance) goes straight to disk: no memory tiers, no block
         statistics, no I/O counters. An ``inline`` read runs its disk part in the calling
-        thread (small reads of blocks likely in the page cache, where handing each run to
-        the reader threads costs more than the read)."""
+        thread, every run asked for from the kernel first (`BlockReader.submit`): a sparse
+        layer's chosen blocks, which the request waits for anyway, where handing each run
+        to the reader threads costs more than the read."""
         u = np.arange(len(layout.units)) if units is None else np.asarray(units, dtype=np.int64)
         files = np.tile(layout.unit_files[u], len(layers))
         blocks = np.tile(layout.unit_blocks[u], len(layers))
