@@ -332,3 +332,124 @@ def test_the_descriptor_count_is_exact_whatever_the_order(tmp_path):
                 files.drop(files.ids())
 
         run()
+
+
+def test_reads_never_waited_for_give_their_descriptors_back(tmp_path):
+    """Reads started and never waited for (a request that failed between starting a read
+    and its result, a read-ahead the request no longer needs) give their loans back when
+    the reader threads are done with them: the file dropped meanwhile has its
+    descriptors closed then, and nothing stays counted."""
+    base = DESCRIPTORS.used
+    store, [(toks, _, _)] = _store(tmp_path)
+    spec = store.spec
+    with store:
+        files = store._catalog.files
+        lay = store.layout(store.match(toks).segments)
+        (fid,) = set(lay.unit_files.tolist())
+        f = store._catalog.open_file(fid)
+        busy = _Busy(store)
+        try:
+            store.start_layout(lay, KV, list(range(spec.num_layers)))  # (its `PendingRead` dropped at once)
+            assert store.start_rows(lay, 0, _buffer(store, len(toks), 0)[:, 0]) is not None  # (its `RowsRead` too)
+            assert f.users == 2
+            files.drop([fid])
+            assert files._fds == len(f.closing) > 0
+        finally:
+            busy.go()
+        store._reader._pool.submit(lambda: None).result(60)  # (one reader thread: every read before it has ended)
+        assert f.users == 0 and not f.closing
+        assert files._fds == 0 and DESCRIPTORS.used == base and not _chunk_fds(tmp_path)
+
+
+def test_closing_the_store_waits_for_queued_reads_and_leaves_nothing_open(tmp_path):
+    """`store.close()` while reads wait in the reader's queue with their descriptors: the
+    close waits for them (the reader is shut down before the catalog drops its files),
+    they read the stored rows, and nothing is left open or counted after."""
+    base = DESCRIPTORS.used
+    store, [(toks, ks, vs)] = _store(tmp_path)
+    spec = store.spec
+    lay = store.layout(store.match(toks).segments)
+    busy = _Busy(store)
+    closer = threading.Thread(target=store.close)
+    try:
+        read = store.start_layout(lay, KV, list(range(spec.num_layers)))
+        closer.start()
+    finally:
+        busy.go()
+    closer.join(60)
+    assert not closer.is_alive()
+    got, units = read.result(), len(lay.units)
+    for layer in range(spec.num_layers):
+        kv = torch.cat([got.block(layer * units + j) for j in range(units)], dim=2)
+        assert torch.equal(kv[0], ks[layer]) and torch.equal(kv[1], vs[layer])
+    assert store._catalog.files._fds == 0 and DESCRIPTORS.used == base and not _chunk_fds(tmp_path)
+
+
+def test_reads_racing_with_drops_read_their_own_files(tmp_path):
+    """Reader threads read stored prompts (the pool path, inline reads and direct rows)
+    while another thread drops their files over and over (as evictions, quarantines and
+    tree reloads do), changes the cap and opens other files, which take every descriptor
+    number freed: every read returns the stored rows (before loans, such reads failed
+    their checksums within a few reads), and at the end nothing is left open or counted."""
+    import random
+
+    base = DESCRIPTORS.used
+    store, prompts = _store(tmp_path / "s", n_files=3, n=48)
+    junk = tmp_path / "junk"
+    junk.write_bytes(os.urandom(1 << 16))
+    spec = store.spec
+    files = store._catalog.files
+    done, errors = threading.Event(), []
+
+    def read(seed):
+        rnd = random.Random(seed)
+        try:
+            for _ in range(60):
+                toks, ks, vs = prompts[rnd.randrange(len(prompts))]
+                lay = store.layout(store.match(toks).segments)
+                if rnd.random() < 0.6:
+                    got = store.start_layout(lay, KV, list(range(spec.num_layers)), inline=rnd.random() < 0.3).result()
+                    units = len(lay.units)
+                    for layer in range(spec.num_layers):
+                        kv = torch.cat([got.block(layer * units + j) for j in range(units)], dim=2)
+                        assert torch.equal(kv[0], ks[layer]) and torch.equal(kv[1], vs[layer])
+                else:
+                    layer = rnd.randrange(spec.num_layers)
+                    buf = _buffer(store, len(toks), 0)
+                    store.start_rows(lay, layer, buf[:, 0]).result()
+                    assert torch.equal(buf[0, 0], ks[layer]) and torch.equal(buf[1, 0], vs[layer])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def drop():
+        rnd, held = random.Random(7), []
+        try:
+            while not done.is_set():
+                ids = list(store._catalog.records)
+                files.drop(rnd.sample(ids, rnd.randint(1, len(ids))))
+                files.max_fds = rnd.choice([0, 2, 4, 64])
+                for d in held:
+                    os.close(d)
+                held = [os.open(junk, os.O_RDONLY) for _ in range(rnd.randint(0, 6))]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            for d in held:
+                os.close(d)
+
+    with store:
+        dropper = threading.Thread(target=drop)
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+        dropper.start()
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(300)
+        done.set()
+        dropper.join(60)
+        assert not errors, errors[0]
+        assert not any(t.is_alive() for t in (dropper, *readers))
+        assert all(f.users == 0 for f in files._open.values())
+        files.drop(files.ids())
+        assert files._fds == 0 and DESCRIPTORS.used == base and not _chunk_fds(tmp_path / "s")
+    assert not (tmp_path / "s" / QUARANTINE_DIR).exists() or not list((tmp_path / "s" / QUARANTINE_DIR).iterdir())

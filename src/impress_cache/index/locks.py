@@ -15,7 +15,7 @@ transaction, and by a catalog transaction until the tree follows its ``COMMIT``)
 requests make: held for one read) < `STATISTICS` (the node values and importance statistics:
 a transaction's removals update them; their deferred load reads the index before it
 takes them, `saved.DeferredLoad`) < `LEAF` (locks under which nothing else is taken:
-the lease table, the dirty-block set).
+the lease table, the dirty-block set, the open files' descriptors).
 """
 
 from __future__ import annotations
