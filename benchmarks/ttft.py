@@ -7,7 +7,11 @@
 For each prefix length (real text: ``pydoc_data.topics`` prose) followed by a short
 question, SmolLM2-135M-Instruct (fp32, 2 torch threads) produces the first token
 (``generate(max_new_tokens=1)``) in one process, ``--repeats`` times per method, and the
-medians are reported:
+medians are reported. The runs go in rounds, every method once per round in turn, so
+that the machine's pace drifting during the run falls on every method alike. Each impress
+run opens its store, serves one untimed request (so the timed one meets a store that has
+served a request: its block tables read, its memory tier filled, its cost model
+measured), then the timed one, and closes the store:
 
 * ``recompute``: no cache;
 * ``dynamic_memory``: transformers' in-memory reuse, a prefilled ``DynamicCache`` deep-copied
@@ -16,8 +20,7 @@ medians are reported:
   loaded whole with ``load_file`` (the plain disk alternative);
 * ``impress_1.0``: impress_cache, exact reuse (``important_ratio=1.0``);
 * ``impress_defaults``: the defaults (``important_ratio="auto"``: the store's cost model
-  chooses exact reuse or sparse loading per request; one untimed guest-cold request first,
-  as a store that has served a request; the choice is reported as ``plan``);
+  chooses exact reuse or sparse loading per request; the choice is reported as ``plan``);
 * ``impress_0.25_keep`` / ``impress_0.25_full``: sparse loading, decode against the
   selected rows or the whole prefix (the first token comes from the sparse prefill in
   both; ``full`` reads the rest afterwards, not counted here);
@@ -32,7 +35,7 @@ medians are reported:
   way): close to exact reuse, not bit-exact.
 
 Disk-based methods are measured guest-cold: the files are dropped from the page cache
-(fsync + ``POSIX_FADV_DONTNEED``) before every run; the memory tiers are off except in the
+(fsync + ``POSIX_FADV_DONTNEED``) before every request; the memory tiers are off except in the
 ``_memory`` runs. Reported per method: TTFT, bytes read from the device during the run
 (``/proc/self/io``) and the library's own byte counters, and impress_cache's time
 breakdown (``RequestStats``: load, match, probe, select, I/O wait, prefill). With
@@ -151,9 +154,8 @@ def first_token(model: Any, ids: torch.Tensor, cache: Any = None) -> tuple[int, 
     return int(out[0, -1]), time.perf_counter() - t0
 
 
-def measure(name: str, runs: int, once: Any) -> dict[str, Any]:
-    """``once()`` -> (token, seconds, extra dict); medians over ``runs``."""
-    rows = [once() for _ in range(runs)]
+def summarize(name: str, rows: list[tuple[int, float, dict[str, Any]]]) -> dict[str, Any]:
+    """Rows of ``once()`` (token, seconds, extra dict) -> medians."""
     out: dict[str, Any] = {
         "ttft_s": _median([r[1] for r in rows]),
         "ttft_runs_s": [round(r[1], 4) for r in rows],
@@ -211,10 +213,10 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
         return tok_id, time.perf_counter() - t0, {"device_read_bytes": read_bytes() - r0}
 
     first_token(model, ids[:, -32:])  # warm-up: the first generate call of a process pays one-off costs
+    methods: list[tuple[str, int, Any]] = []  # (name, runs, once)
     if not args.skip_recompute:
-        res["recompute"] = measure("recompute", max(1, args.repeats - 1), recompute)
-    res["dynamic_memory"] = measure("dynamic_memory", args.repeats, dynamic_memory)
-    res["safetensors_file"] = measure("safetensors_file", args.repeats, safetensors_file)
+        methods.append(("recompute", max(1, args.repeats - 1), recompute))
+    methods += [("dynamic_memory", args.repeats, dynamic_memory), ("safetensors_file", args.repeats, safetensors_file)]
 
     filled: set[Path] = set()
 
@@ -229,51 +231,76 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
             filled.add(path)
         return path
 
+    run_counts: dict[str, dict[str, int]] = {}
+
+    def impress_method(name: str, cfg: dict[str, Any], store_dir: Path) -> Any:
+        """One run of an impress method: its store opened, one untimed request (a store
+        that has served a request: block tables read, the memory tier filled, the cost
+        model measured), one timed request, the store closed."""
+        memory = cfg.get("device_bytes", 0) > 0
+
+        def request(store: ImpressStore) -> tuple[int, float, dict[str, Any]]:
+            if not memory:
+                (warm_store if args.warm else drop_page_cache)(store_dir)
+            r0 = read_bytes()
+            t0 = time.perf_counter()
+            cache = ImpressCache(store, ids, store_prompt=False)
+            tok_id, _ = first_token(model, ids, cache)
+            dt = time.perf_counter() - t0
+            device = read_bytes() - r0
+            store.fetcher.submit(lambda: None).result()  # decode="full": let the background read finish
+            s = cache.stats
+            extra = {
+                "device_read_bytes": device,
+                # sparse: probe copies + selected rows + what the uncertainty guard read
+                # before the first token; dense: every block read
+                "prefill_bytes": (
+                    s.bytes_read_probe + s.bytes_read_rows + s.bytes_read_guard
+                    if s.bytes_read_rows or s.bytes_read_probe else s.bytes_read_disk
+                ),
+                "bytes_read_guard": s.bytes_read_guard,
+                "guard_triggered": s.guard_triggered,
+                "first_token_margin": s.first_token_margin,
+                "bytes_read_probe": s.bytes_read_probe,
+                "bytes_read_rows": s.bytes_read_rows,
+                "prefetch_hit_rate": s.prefetch_hit_rate,
+                "plan": s.plan or ("sparse" if s.bytes_read_probe else "exact"),
+                "guard_seconds": s.guard_seconds,
+                **{k: getattr(s, k) for k in BREAKDOWN},
+            }
+            return tok_id, dt, extra
+
+        def once() -> tuple[int, float, dict[str, Any]]:
+            with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
+                request(store)  # untimed: a store that has served a request (memory tier filled, tables read)
+                row = request(store)
+                counts = store.stats()  # how exact reuse's direct reads read their runs (O_DIRECT or not)
+            total = run_counts.setdefault(name, {})
+            for k in ("runs_direct_io", "runs_buffered", "runs_direct_io_refused"):
+                total[k] = total.get(k, 0) + int(counts.get(k) or 0)
+            return row
+
+        return once
+
     for name, cfg in IMPRESS.items():
         if args.methods and name not in args.methods:
             continue
         store_dir = stored(cfg.get("kv_codec"))
         if args.direct_io is not None:
             cfg = {**cfg, "direct_io": {"auto": "auto", "true": True, "false": False}[args.direct_io]}
-        with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
-            memory = cfg.get("device_bytes", 0) > 0
-
-            def impress(store: ImpressStore = store, memory: bool = memory, store_dir: Path = store_dir) -> tuple[int, float, dict[str, Any]]:
-                if not memory:
-                    (warm_store if args.warm else drop_page_cache)(store_dir)
-                r0 = read_bytes()
-                t0 = time.perf_counter()
-                cache = ImpressCache(store, ids, store_prompt=False)
-                tok_id, _ = first_token(model, ids, cache)
-                dt = time.perf_counter() - t0
-                device = read_bytes() - r0
-                store.fetcher.submit(lambda: None).result()  # decode="full": let the background read finish
-                s = cache.stats
-                extra = {
-                    "device_read_bytes": device,
-                    # sparse: probe copies + selected rows + what the uncertainty guard read
-                    # before the first token; dense: every block read
-                    "prefill_bytes": (
-                        s.bytes_read_probe + s.bytes_read_rows + s.bytes_read_guard
-                        if s.bytes_read_rows or s.bytes_read_probe else s.bytes_read_disk
-                    ),
-                    "bytes_read_guard": s.bytes_read_guard,
-                    "guard_triggered": s.guard_triggered,
-                    "first_token_margin": s.first_token_margin,
-                    "bytes_read_probe": s.bytes_read_probe,
-                    "bytes_read_rows": s.bytes_read_rows,
-                    "prefetch_hit_rate": s.prefetch_hit_rate,
-                    "plan": s.plan or ("sparse" if s.bytes_read_probe else "exact"),
-                    "guard_seconds": s.guard_seconds,
-                    **{k: getattr(s, k) for k in BREAKDOWN},
-                }
-                return tok_id, dt, extra
-
-            if memory or name == "impress_defaults":
-                impress()  # fill the memory tier; the defaults: the cost model's first measurement
-            res[name] = measure(name, args.repeats, impress)
-            counts = store.stats()  # how exact reuse's direct reads read their runs (O_DIRECT or not)
-            res[name]["runs"] = {k: counts.get(k) for k in ("runs_direct_io", "runs_buffered", "runs_direct_io_refused")}
+        methods.append((name, args.repeats, impress_method(name, cfg, store_dir)))
+    # in rounds: every method once per round, in turn, so that the machine's pace drifting
+    # during the run (other work, the page cache, the benchmark's own threads) falls on
+    # every method alike
+    rows: dict[str, list[tuple[int, float, dict[str, Any]]]] = {name: [] for name, _, _ in methods}
+    for r in range(args.repeats):
+        for name, runs, once in methods:
+            if r < runs:
+                rows[name].append(once())
+    for name, _, _ in methods:
+        res[name] = summarize(name, rows[name])
+        if name in run_counts:
+            res[name]["runs"] = run_counts[name]
     # ratios against the plain alternatives
     base = res["safetensors_file"]["ttft_s"]
     mem = res["dynamic_memory"]["ttft_s"]
