@@ -371,7 +371,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def table(result: dict[str, Any]) -> str:
     """Markdown tables of a result: TTFT (median, and the ratio to the whole-file
-    safetensors load), bytes read before the first token, impress_cache's breakdown."""
+    safetensors load), bytes read before the first token, impress_cache's breakdown, the
+    goals it was checked against."""
     rows = result["lengths"]
     methods = [m for m in ("recompute", "dynamic_memory", "safetensors_file", *IMPRESS) if m in rows[0]]
     out = ["| method | " + " | ".join(f"{r['prefix_tokens']} tokens" for r in rows) + " |",
@@ -406,6 +407,9 @@ def table(result: dict[str, Any]) -> str:
                 cells.append(f"{x['prefetch_hit_rate']:.2f}" if x.get("prefetch_hit_rate") else "")
                 cells.append(str(x.get("plan", "")))
                 out.append(f"| `{m}`, {r['prefix_tokens']} tokens | " + " | ".join(cells) + " |")
+    out += ["", "| prefix | goal | value | |", "|---|---|---|---|"]
+    for g in result.get("goals", []):
+        out.append(f"| {g['prefix']} | {g['goal']} | {g['value']:.2f} | {'met' if g['met'] else '**missed**'} |")
     return "\n".join(out)
 
 def main(argv: list[str] | None = None) -> int:
