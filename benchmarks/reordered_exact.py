@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import corpus_tokens  # noqa: E402
-from ttft import QUESTION, TIERS_OFF  # noqa: E402
+from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             question = tok(QUESTION, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prefix + question])
             store_dir = Path(work) / f"store-{length}"
-            with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **TIERS_OFF)) as store, torch.no_grad():
-                first = torch.tensor([prefix + question[:1]])
-                model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
+            store_prefix(model, store_dir, prefix, question)
             in_order = exact_ttft(model, ids, store_dir, args.repeats)
             sparse = ImpressConfig(important_ratio=0.25, decode="keep", reorg_idle_ms=None, **TIERS_OFF)
             with ImpressStore(store_dir, model, sparse) as store:

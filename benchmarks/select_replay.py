@@ -36,14 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import corpus_tokens  # noqa: E402
+from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
 
 import impress_cache.hf.sparse as sparse  # noqa: E402
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
 from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
 
-QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
-TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
 
 
 def record(model: Any, ids: torch.Tensor, store_dir: Path, scores: str) -> list[dict[str, Any]]:
@@ -100,9 +99,7 @@ def main() -> int:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="select-replay-") as work:
         store_dir = Path(work) / "store"
-        with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **TIERS_OFF)) as store, torch.no_grad():
-            first = torch.tensor([prefix + question[:1]])
-            model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
+        store_prefix(model, store_dir, prefix, question)
         for scores in args.scores:
             calls = record(model, ids, store_dir, scores)
             for call in calls:  # the replay chooses and gathers what the request did

@@ -48,13 +48,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import corpus_tokens  # noqa: E402
+from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
 from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
 
-QUESTION = "\n\nQuestion: Which Python statement does the text above describe first?\nAnswer:"
-TIERS_OFF = {"device_bytes": 0, "host_bytes": 0}
 #: stage -> the functions (by name) whose cumulative time it is
 STAGES = {
     "scoring": ("probe_scores", "bound_unit_scores"),
@@ -118,9 +117,7 @@ def main() -> int:
             question = tok(QUESTION, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prefix + question])
             store_dir = Path(work) / f"store-{length}"
-            with ImpressStore(store_dir, model, ImpressConfig(important_ratio=1.0, **TIERS_OFF)) as store, torch.no_grad():
-                first = torch.tensor([prefix + question[:1]])
-                model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
+            store_prefix(model, store_dir, prefix, question)
             row: dict[str, Any] = {"prefix_tokens": len(prefix)}
             for scores in args.scores:
                 cfg = ImpressConfig(important_ratio=0.25, decode="keep", block_scores=scores, **TIERS_OFF)

@@ -147,6 +147,15 @@ def _median(xs: list[float]) -> float:
 
 
 @torch.no_grad()
+def store_prefix(model: Any, store_dir: Path, prefix: list[int], question: list[int], kv_codec: str | None = None) -> None:
+    """Store ``prefix`` in a store at ``store_dir`` as a first request would (exact reuse,
+    the memory tiers off): the prefix and the question's first token through the model."""
+    cfg = ImpressConfig(important_ratio=1.0, kv_codec=kv_codec, **TIERS_OFF)
+    with ImpressStore(store_dir, model, cfg) as store, torch.no_grad():
+        first = torch.tensor([prefix + question[:1]], device=model.device)
+        model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
+
+
 def first_token(model: Any, ids: torch.Tensor, cache: Any = None) -> tuple[int, float]:
     t0 = time.perf_counter()
     kwargs = {} if cache is None else {CACHE_KWARG: cache}
@@ -224,10 +233,7 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
         """The store directory of a codec (``None``: the store's dtype), the prefix stored in it."""
         path = work / (f"store-{length}" if codec is None else f"store-{length}-{codec}")
         if path not in filled:
-            cfg = ImpressConfig(important_ratio=1.0, kv_codec=codec, **TIERS_OFF)
-            with ImpressStore(path, model, cfg) as store, torch.no_grad():
-                first = torch.tensor([prefix + question[:1]], device=dev)
-                model(first, use_cache=True, **{CACHE_KWARG: ImpressCache(store, first)})
+            store_prefix(model, path, prefix, question, codec)
             filled.add(path)
         return path
 
