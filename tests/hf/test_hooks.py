@@ -117,6 +117,35 @@ def test_query_capture_sees_the_cache_under_either_spelling(tmp_path, spelling):
         assert all(sel[0].numel() == 32 for sel in cache.selections.values())
 
 
+def _queries_seen_and_used(tmp_path, monkeypatch, model, new):
+    """One sparse prefill of ``new`` tokens after a stored 128-token document: per layer,
+    the queries the capture handed to the cache and the ones the eager attention used."""
+    import sys
+
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    own: dict[int, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    attend, capture = modeling.eager_attention_forward, ImpressCache.capture_queries
+
+    def recording_attend(module, query, *args, **kwargs):  # the queries the attention uses
+        own.setdefault(module.layer_idx, query[..., -new:, :].detach().clone())
+        return attend(module, query, *args, **kwargs)
+
+    def recording_capture(self, layer_idx, queries):
+        seen.setdefault(layer_idx, queries.detach().clone())
+        return capture(self, layer_idx, queries)
+
+    doc = _ids(5, 128)
+    store_dense(tmp_path, model, doc)
+    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
+    with ImpressStore(tmp_path, model, cfg) as store:
+        monkeypatch.setattr(modeling, "eager_attention_forward", recording_attend)
+        monkeypatch.setattr(ImpressCache, "capture_queries", recording_capture)
+        run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)  # the prefill only
+    monkeypatch.undo()
+    return seen, own
+
+
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "llama", "exaone4", "smollm3", "cohere2"])
 @pytest.mark.parametrize("new", [4, 12])
 def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, family, new):
@@ -126,35 +155,13 @@ def test_captured_queries_are_the_models_own(tmp_path, monkeypatch, caplog, fami
     alone cannot tell the two layouts apart), rotated where the attention rotates them
     and not in layers without position embeddings (EXAONE 4's and Cohere 2's global
     layers, SmolLM3's every fourth)."""
-    import sys
-
     from families import family_model
 
     layer_types = ["sliding_attention", "full_attention"] * 2  # full layers: where the queries are used
     model = family_model(family, attn="eager", **({"layer_types": layer_types} if family in ("gemma3_text", "exaone4", "cohere2") else {}))
     attns = [layer.self_attn for layer in model.model.layers]
-    modeling = sys.modules[type(attns[0]).__module__]
-    own: dict[int, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
-    attend = modeling.eager_attention_forward
-
-    def recording_attend(module, query, *args, **kwargs):  # the queries the attention uses
-        own.setdefault(module.layer_idx, query[..., -new:, :].detach().clone())
-        return attend(module, query, *args, **kwargs)
-
-    capture = ImpressCache.capture_queries
-
-    def recording_capture(self, layer_idx, queries):
-        seen.setdefault(layer_idx, queries.detach().clone())
-        return capture(self, layer_idx, queries)
-
-    doc = _ids(5, 128)
-    store_dense(tmp_path, model, doc)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
-    with ImpressStore(tmp_path, model, cfg) as store, caplog.at_level("WARNING"):
-        monkeypatch.setattr(modeling, "eager_attention_forward", recording_attend)
-        monkeypatch.setattr(ImpressCache, "capture_queries", recording_capture)
-        run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)  # the prefill only
+    with caplog.at_level("WARNING"):
+        seen, own = _queries_seen_and_used(tmp_path, monkeypatch, model, new)
     assert "cannot be captured" not in caplog.text
     full = [i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * len(attns)) if t == "full_attention"]
     assert full and set(full) <= set(seen)
@@ -231,35 +238,14 @@ def test_llama4_queries_of_layers_without_rope_are_captured_with_their_temperatu
     with the position (``attn_temperature_tuning``); the capture scales them the same, so
     sparse selection there scores with the queries the attention uses (a small
     ``floor_scale`` makes the factor differ from 1 at these positions)."""
-    import sys
-
     from families import family_model
 
     model = family_model("llama4_text", attn="eager", floor_scale=8, attn_scale=0.5)
     attns = [layer.self_attn for layer in model.model.layers]
     nope = [i for i, a in enumerate(attns) if not a.use_rope]
     assert nope and all(a.attn_temperature_tuning for a in attns)
-    modeling = sys.modules[type(attns[0]).__module__]
-    own: dict[int, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
-    attend, capture, new = modeling.eager_attention_forward, ImpressCache.capture_queries, 12
-
-    def recording_attend(module, query, *args, **kwargs):
-        own.setdefault(module.layer_idx, query[..., -new:, :].detach().clone())
-        return attend(module, query, *args, **kwargs)
-
-    def recording_capture(self, layer_idx, queries):
-        seen.setdefault(layer_idx, queries.detach().clone())
-        return capture(self, layer_idx, queries)
-
-    doc = _ids(5, 128)
-    store_dense(tmp_path, model, doc)
-    cfg = ImpressConfig(chunk_tokens=16, important_ratio=0.25, similarity_threshold=0.0, decode="keep")
-    with ImpressStore(tmp_path, model, cfg) as store:
-        monkeypatch.setattr(modeling, "eager_attention_forward", recording_attend)
-        monkeypatch.setattr(ImpressCache, "capture_queries", recording_capture)
-        run(model, torch.cat([doc, _ids(6, new)], dim=1), cache=ImpressCache(store), new_tokens=1)
-    factor = math.log1p((doc.shape[1] + 1) // 8) * 0.5 + 1.0  # at the first new token
+    seen, own = _queries_seen_and_used(tmp_path, monkeypatch, model, 12)
+    factor = math.log1p((128 + 1) // 8) * 0.5 + 1.0  # at the first new token, after the 128-token document
     assert factor > 2
     for i in nope:
         torch.testing.assert_close(seen[i], own[i])
