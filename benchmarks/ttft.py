@@ -270,7 +270,9 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
                 "bytes_read_probe": s.bytes_read_probe,
                 "bytes_read_rows": s.bytes_read_rows,
                 "prefetch_hit_rate": s.prefetch_hit_rate,
-                "plan": s.plan or ("sparse" if s.bytes_read_probe else "exact"),
+                # an explicit ratio has no plan: sparse where rows were chosen (probe copies
+                # read, or, from the memory tiers, selection time)
+                "plan": s.plan or ("sparse" if s.bytes_read_probe or s.select_seconds else "exact"),
                 "guard_seconds": s.guard_seconds,
                 **{k: getattr(s, k) for k in BREAKDOWN},
             }
@@ -411,7 +413,9 @@ def table(result: dict[str, Any]) -> str:
                 cells = [f"{x[k]:.3f}" for k in BREAKDOWN]
                 cells.append(f"{1000 * x['select_seconds'] / layers:.1f}" if x["select_seconds"] else "")
                 cells.append(f"{x['prefetch_hit_rate']:.2f}" if x.get("prefetch_hit_rate") else "")
-                cells.append(str(x.get("plan", "")))
+                # (results written before the plan of an explicit ratio counted selection time)
+                plan = "sparse" if x.get("plan") == "exact" and x["select_seconds"] else str(x.get("plan", ""))
+                cells.append(plan)
                 out.append(f"| `{m}`, {r['prefix_tokens']} tokens | " + " | ".join(cells) + " |")
     out += ["", "| prefix | goal | value | |", "|---|---|---|---|"]
     for g in result.get("goals", []):
