@@ -202,6 +202,14 @@ def _same_value(name: str, stored: Any, mine: Any) -> bool:
     return False
 
 
+def same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two recorded model specs (`ModelSpec.to_dict`: an index's, a chunk file's
+    header's) are the same model's: the same fields, each equal as `ModelSpec.check_same`
+    compares them (``rope`` by value: a file written before nested rope keys were sorted
+    records them in the config's order, its store's later files sorted)."""
+    return a.keys() == b.keys() and all(_same_value(k, a[k], b[k]) for k in a)
+
+
 def text_config(model: torch.nn.Module) -> Any:
     """The model's decoder text config; `UnsupportedModelError` for anything that is not a
     Hugging Face model with a config."""

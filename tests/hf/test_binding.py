@@ -218,3 +218,41 @@ def test_a_model_whose_nested_rope_parameters_come_back_in_another_key_order_is_
     model.config.rope_parameters = {kind: {**p, "rope_theta": p["rope_theta"] * 2} for kind, p in rope.items()}
     with pytest.raises(ModelMismatchError, match="rope"):
         ImpressStore(tmp_path, model, CFG)
+
+
+def test_files_written_before_and_after_nested_rope_keys_were_sorted_are_one_models(tmp_path, monkeypatch):
+    """A store made before the spec sorted nested rope keys (Gemma 3's per layer type)
+    recorded them in the config's order, in its index and in its files' headers; the files
+    it writes since record them sorted. Both are the same model's: a rebuilt index
+    (`repair`) keeps every file (none quarantined as another model's), and the remote
+    tier's check of a local file before it uploads it (`parse_object`) accepts both."""
+    from families import family_model
+
+    from impress_cache import model_info
+    from impress_cache.store import CHUNK_DIR
+    from impress_cache.store.remote.objects import namespace, parse_object
+    from impress_cache.store.repair import repair
+
+    model = family_model("gemma3_text")
+    vocab = model.config.vocab_size
+    docs = [torch.randint(3, vocab, (1, 40), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    with monkeypatch.context() as m:
+        m.setattr(model_info, "_sorted_dicts", lambda value: value)  # the spec as stores made before recorded it
+        with ImpressStore(tmp_path, model, CFG) as store:
+            old_rope = store.spec.rope
+            assert_same_as_uncached(model, store, docs[0], new_tokens=2)
+    with ImpressStore(tmp_path, model, CFG) as store:  # the same model, compared by value
+        assert store.spec.rope != old_rope
+        assert_same_as_uncached(model, store, docs[1], new_tokens=2)
+        spec, probe = store.spec, store.probe
+        row_bytes = (spec.kv_row_bytes, probe.record_bytes)
+    files = sorted((tmp_path / CHUNK_DIR).iterdir())
+    assert len(files) == 2
+    ns = namespace(spec, probe)
+    for path in files:  # as the remote tier checks a local file before uploading it
+        parse_object(path.read_bytes(), None, ns, spec, probe, row_bytes)
+    out = repair(tmp_path)
+    assert out["files"] == 2 and not out["quarantined"]
+    with ImpressStore(tmp_path, model, CFG) as store:
+        for doc in docs:
+            assert store.match(doc[0].numpy()).length >= 32

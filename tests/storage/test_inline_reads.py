@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +131,48 @@ def test_an_inline_read_hands_groups_that_fetch_first_to_the_reader_threads(tmp_
     for k in range(3):
         want = np.concatenate([data[k][b * BLOCK : (b + 1) * BLOCK] for b in (1, 4, 5)])
         assert np.array_equal(out[k * 3 * BLOCK : (k + 1) * 3 * BLOCK], want)
+
+
+class _InterruptingPath(type(Path())):
+    """A path whose opening is interrupted (Ctrl-C while the request's thread reads)."""
+
+    def __fspath__(self) -> str:
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_in_an_inline_read_ends_every_groups_loan_once(tmp_path):
+    """An interrupt inside a group read in the request's thread (here: opening a file
+    past the descriptor cap) reaches the caller; every group's ``done`` is called exactly
+    once: the fetched group's by its reader thread (given last, started first: the groups
+    are sorted), the interrupted one's, and the one after it, never started."""
+    import threading
+
+    paths = [tmp_path / f"chunk{i}.bin" for i in range(3)]
+    data = [_cold_file(p, 8) for p in paths]
+    ended: list[str] = []
+    lock = threading.Lock()
+
+    def done(name):
+        def call():
+            with lock:
+                ended.append(name)
+        return call
+
+    fd = os.open(paths[0], os.O_RDONLY)
+    try:
+        unstarted = _group(fd, paths[0], data[0], [1, 2])
+        interrupted = _group(None, _InterruptingPath(paths[1]), data[1], [3])
+        fetched = _group(None, paths[2], data[2], [4], file_id=2)
+        fetched.before = lambda: None
+        for name, g in (("unstarted", unstarted), ("interrupted", interrupted), ("fetched", fetched)):
+            g.done = done(name)
+        out = np.zeros(2 * BLOCK, dtype=np.uint8)
+        reader = BlockReader(threads=2)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                reader.submit([interrupted, unstarted, fetched], memoryview(out), inline=True)
+        finally:
+            reader.close()  # (the fetched group's read ends)
+        assert sorted(ended) == ["fetched", "interrupted", "unstarted"]
+    finally:
+        os.close(fd)

@@ -29,7 +29,7 @@ import numpy as np
 from .. import probe as probe_codec
 from ..errors import ImpressError
 from ..index.sqlite import Index, NewFile
-from ..model_info import ModelSpec
+from ..model_info import ModelSpec, same_model
 from ..storage import FORMATS
 from ..storage.base import PROBE
 from .binding import check_model_record, mark_codec
@@ -104,9 +104,9 @@ def repair(path: Path, file_mode: int = 0o600) -> dict[str, Any]:
             bad.append((name, f"written with kv_codec={meta_model.get('kv_codec')!r}, the store keeps kv_codec={model.get('kv_codec')!r}"))
             continue
         try:
-            if meta_model == model:
+            if same_model(meta_model, model):
                 probe = probe or {k: meta_probe[k] for k in ("query_heads", "kv_heads", "encoding") if k in meta_probe}
-            if meta_model != model or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
+            if not same_model(meta_model, model) or {k: meta_probe[k] for k in ("kv_heads", "encoding")} != {
                 k: probe[k] for k in ("kv_heads", "encoding")
             }:
                 raise ValueError("written for another model or probe setting")

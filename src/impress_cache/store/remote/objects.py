@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...index.sqlite import NewFile
-from ...model_info import ModelSpec
+from ...model_info import ModelSpec, same_model
 from ...storage.base import KV, PROBE, block_seeds, checksum, file_seed
 from ..binding import ProbeSpec
 from ..header import decode_header
@@ -179,7 +179,7 @@ def parse_object(
         h = decode_header(header.get("__metadata__") or {})
     except (KeyError, ValueError, TypeError) as exc:
         raise BadObject(f"object header incomplete or of another version: {exc}") from exc
-    if h.model != spec.to_dict():
+    if not same_model(h.model, spec.to_dict()):
         raise BadObject("object of another model")
     if list(h.probe.get("kv_heads", ())) != list(probe.kv_heads) or h.probe.get("encoding") != probe.encoding:
         raise BadObject("object with other probe settings")
