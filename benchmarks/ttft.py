@@ -11,7 +11,10 @@ medians are reported. The runs go in rounds, every method once per round in turn
 that the machine's pace drifting during the run falls on every method alike. Each impress
 run opens its store, serves one untimed request (so the timed one meets a store that has
 served a request: its block tables read, its memory tier filled, its cost model
-measured), then the timed one, and closes the store:
+measured), then the timed one, and closes the store. The background reorganiser is off
+(``reorg_idle_ms=None``): the sparse methods' requests would have it rewrite the prefix
+the exact methods read too (``reordered_exact.py`` measures what that costs exact reuse,
+``reorder.py`` what it gives sparse loading):
 
 * ``recompute``: no cache;
 * ``dynamic_memory``: transformers' in-memory reuse, a prefilled ``DynamicCache`` deep-copied
@@ -279,7 +282,10 @@ def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work
             return tok_id, dt, extra
 
         def once() -> tuple[int, float, dict[str, Any]]:
-            with ImpressStore(store_dir, model, ImpressConfig(**cfg)) as store:
+            # the background reorganiser off: the sparse methods' requests would have it
+            # rewrite the prefix that the exact ones read too (its cost to exact reuse:
+            # reordered_exact.py; its gain to sparse loading: reorder.py)
+            with ImpressStore(store_dir, model, ImpressConfig(**{"reorg_idle_ms": None, **cfg})) as store:
                 request(store)  # untimed: a store that has served a request (memory tier filled, tables read)
                 row = request(store)
                 counts = store.stats()  # how exact reuse's direct reads read their runs (O_DIRECT or not)

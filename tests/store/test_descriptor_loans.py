@@ -174,8 +174,10 @@ def _group(f, loan, layer=0, before=None):
 @pytest.mark.parametrize("error", [CorruptBlockError("failed before the read", 0), KeyboardInterrupt()])
 def test_a_read_that_fails_gives_its_descriptors_back(tmp_path, where, error):
     """A read that raises before it reads (here its ``before`` step: a remote tier's fill
-    that failed, or an interrupt in an inline read) gives its loan back before the error
-    reaches its caller; the file dropped meanwhile has its descriptors closed then."""
+    that failed, or was interrupted; such a group runs on a reader thread even in an
+    inline read, `tests/storage/test_inline_reads.py` has an interrupt inside one) gives
+    its loan back before the error reaches its caller; the file dropped meanwhile has its
+    descriptors closed then."""
     if where == "pool" and isinstance(error, KeyboardInterrupt):
         pytest.skip("an interrupt reaches the main thread only: inline reads")
     base = DESCRIPTORS.used

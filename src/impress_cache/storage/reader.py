@@ -202,10 +202,10 @@ class BlockReader:
         group has ended, whether it read, failed or never started (this call raised
         before it), and before `ReadBatch.wait` returns."""
         futures: list[Future[int]] = []
-        if inline:  # (stable: the fetched groups first, each kind in the given order)
-            groups = sorted(groups, key=lambda g: g.before is None)
         began = 0
         try:
+            if inline:  # (stable: the fetched groups first, each kind in the given order)
+                groups = sorted(groups, key=lambda g: g.before is None)
             ahead = _ask_ahead(groups, self._runs) if inline else [None] * len(groups)
             for g, runs in zip(groups, ahead):
                 tally = _Tally(g.done)
