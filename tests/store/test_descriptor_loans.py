@@ -78,6 +78,14 @@ def _open_past(numbers, path):
     return got
 
 
+def _the_file(store, toks):
+    """The store's open-file table, the layout of the stored ``toks`` and its one chunk
+    file (id, `OpenFile`)."""
+    lay = store.layout(store.match(toks).segments)
+    (fid,) = set(lay.unit_files.tolist())
+    return store._catalog.files, lay, fid, store._catalog.open_file(fid)
+
+
 @pytest.mark.parametrize("way", ["pool", "direct"])
 @pytest.mark.parametrize("how", ["forget", "quarantine"])
 def test_a_file_dropped_while_a_read_waits_to_use_its_descriptors(tmp_path, way, how):
@@ -92,10 +100,7 @@ def test_a_file_dropped_while_a_read_waits_to_use_its_descriptors(tmp_path, way,
     spec = store.spec
     base = DESCRIPTORS.used
     with store:
-        files = store._catalog.files
-        lay = store.layout(store.match(toks).segments)
-        (fid,) = set(lay.unit_files.tolist())
-        f = store._catalog.open_file(fid)
+        files, lay, fid, f = _the_file(store, toks)
         busy = _Busy(store)
         others: list[int] = []
         try:
@@ -345,10 +350,7 @@ def test_reads_never_waited_for_give_their_descriptors_back(tmp_path):
     store, [(toks, _, _)] = _store(tmp_path)
     spec = store.spec
     with store:
-        files = store._catalog.files
-        lay = store.layout(store.match(toks).segments)
-        (fid,) = set(lay.unit_files.tolist())
-        f = store._catalog.open_file(fid)
+        files, lay, fid, f = _the_file(store, toks)
         busy = _Busy(store)
         try:
             store.start_layout(lay, KV, list(range(spec.num_layers)))  # (its `PendingRead` dropped at once)
