@@ -9,7 +9,8 @@ reuse (``important_ratio=1.0``, and the defaults where the cost model chooses it
 has to put every row back at its position. This measures what that costs: SmolLM2 (fp32,
 2 torch threads), a prefix of ``pydoc_data.topics`` prose and a short question, the
 time to the first token of exact reuse, guest-cold, medians of ``--repeats`` (after one
-untimed request), first from the file as written, then after five sparse requests
+untimed request; the first tokens must agree), first from the file as written, then
+after five sparse requests
 (``important_ratio=0.25``, ``decode="keep"``) and a forced rewrite
 (``reorganize(force=True)``). The memory tiers are off.
 """
@@ -30,8 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import corpus_tokens  # noqa: E402
-from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
+from ttft import TIERS_OFF, prose_prompt, store_prefix  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
@@ -39,19 +39,25 @@ from impress_cache.tools import drop_page_cache, load_smollm2  # noqa: E402
 
 
 def exact_ttft(model: Any, ids: torch.Tensor, store_dir: Path, repeats: int) -> dict[str, Any]:
-    """Median time to the first token of exact reuse, guest-cold, after one untimed request."""
+    """Median time to the first token of exact reuse, guest-cold, after one untimed
+    request (timed as `ttft.py` times it: from before the cache is made), and the first
+    tokens it gave."""
     cfg = ImpressConfig(important_ratio=1.0, reorg_idle_ms=None, **TIERS_OFF)
     with ImpressStore(store_dir, model, cfg) as store:
-        runs, prefill = [], []
+        runs, prefill, tokens = [], [], set()
         for i in range(repeats + 1):
             drop_page_cache(store_dir)
-            cache = ImpressCache(store, ids, store_prompt=False)
             t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, do_sample=False, **{CACHE_KWARG: cache})
+            cache = ImpressCache(store, ids, store_prompt=False)
+            out = model.generate(ids, max_new_tokens=1, do_sample=False, **{CACHE_KWARG: cache})
             if i:
                 runs.append(time.perf_counter() - t0)
                 prefill.append(cache.stats.prefill_seconds)
-    return {"ttft_s": statistics.median(runs), "ttft_runs_s": [round(r, 4) for r in runs], "prefill_s": statistics.median(prefill)}
+            tokens.add(int(out[0, -1]))
+    return {
+        "ttft_s": statistics.median(runs), "ttft_runs_s": [round(r, 4) for r in runs],
+        "prefill_s": statistics.median(prefill), "tokens": sorted(tokens),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="reordered-exact-") as work:
         for length in args.lengths:
-            prefix = corpus_tokens(tok, "prose", length)
-            question = tok(QUESTION, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([prefix + question])
+            prefix, question, ids = prose_prompt(tok, length)
             store_dir = Path(work) / f"store-{length}"
             store_prefix(model, store_dir, prefix, question)
             in_order = exact_ttft(model, ids, store_dir, args.repeats)
@@ -81,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {
                 "prefix_tokens": len(prefix), "in_order": in_order, "reordered": reordered,
                 "rewritten": rewrite["rewritten"], "ratio": reordered["ttft_s"] / in_order["ttft_s"],
+                # exact reuse: the same first token from either layout
+                "same_token": in_order["tokens"] == reordered["tokens"] and len(in_order["tokens"]) == 1,
             }
             print(f"{len(prefix)} tokens: in order {in_order['ttft_s']:.3f} s, reordered {reordered['ttft_s']:.3f} s "
-                  f"({row['ratio']:.2f}x; {rewrite['rewritten']} file rewritten)", flush=True)
+                  f"({row['ratio']:.2f}x; {rewrite['rewritten']} file rewritten; same first token: {row['same_token']})", flush=True)
             rows.append(row)
     out = {
         "command": " ".join(["benchmarks/reordered_exact.py", *sys.argv[1:]]),

@@ -35,8 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import corpus_tokens  # noqa: E402
-from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
+from ttft import TIERS_OFF, prose_prompt, store_prefix  # noqa: E402
 
 import impress_cache.hf.sparse as sparse  # noqa: E402
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
@@ -93,9 +92,7 @@ def main() -> int:
     torch.set_num_threads(2)
     model, tok = load_smollm2()
     load_start = os.getloadavg()
-    prefix = corpus_tokens(tok, "prose", args.length)
-    question = tok(QUESTION, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([prefix + question])
+    prefix, question, ids = prose_prompt(tok, args.length)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="select-replay-") as work:
         store_dir = Path(work) / "store"

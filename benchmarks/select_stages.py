@@ -47,8 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fidelity import corpus_tokens  # noqa: E402
-from ttft import QUESTION, TIERS_OFF, store_prefix  # noqa: E402
+from ttft import TIERS_OFF, prose_prompt, store_prefix  # noqa: E402
 
 from impress_cache import ImpressCache, ImpressConfig, ImpressStore  # noqa: E402
 from impress_cache.hf.compat import CACHE_KWARG  # noqa: E402
@@ -113,9 +112,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="select-stages-") as work:
         for length in args.lengths:
-            prefix = corpus_tokens(tok, "prose", length)
-            question = tok(QUESTION, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([prefix + question])
+            prefix, question, ids = prose_prompt(tok, length)
             store_dir = Path(work) / f"store-{length}"
             store_prefix(model, store_dir, prefix, question)
             row: dict[str, Any] = {"prefix_tokens": len(prefix)}

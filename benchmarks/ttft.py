@@ -150,6 +150,14 @@ def _median(xs: list[float]) -> float:
 
 
 @torch.no_grad()
+def prose_prompt(tok: Any, length: int, device: Any = "cpu") -> tuple[list[int], list[int], torch.Tensor]:
+    """The benchmark's prompt: ``length`` tokens of ``pydoc_data.topics`` prose (the
+    prefix), then `QUESTION`; returns the prefix, the question and ``[1, P + n]`` ids."""
+    prefix = corpus_tokens(tok, "prose", length)
+    question = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    return prefix, question, torch.tensor([prefix + question], device=device)
+
+
 def store_prefix(model: Any, store_dir: Path, prefix: list[int], question: list[int], kv_codec: str | None = None) -> None:
     """Store ``prefix`` in a store at ``store_dir`` as a first request would (exact reuse,
     the memory tiers off): the prefix and the question's first token through the model."""
@@ -185,10 +193,8 @@ def summarize(name: str, rows: list[tuple[int, float, dict[str, Any]]]) -> dict[
 
 
 def run_length(model: Any, tok: Any, length: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    prefix = corpus_tokens(tok, "prose", length)
-    question = tok(QUESTION, add_special_tokens=False)["input_ids"]
     dev = model.device
-    ids = torch.tensor([prefix + question], device=dev)
+    prefix, question, ids = prose_prompt(tok, length, dev)
     pids = torch.tensor([prefix], device=dev)
     res: dict[str, Any] = {"prefix_tokens": len(prefix), "question_tokens": len(question)}
     print(f"prefix {len(prefix)} tokens", flush=True)

@@ -384,8 +384,8 @@ def _read_run(g: FileBlocks, idx: np.ndarray, dest: memoryview) -> int:
     return end - start
 
 
-#: a block this large is verified with the GIL handed over (`checksum`); a smaller one's
-#: checksum takes less than handing the GIL to another thread and back does
+#: a block this large is verified with the GIL handed over (`checksum`); a smaller one is
+#: verified holding it (no thread switch per block)
 RELEASE_BYTES = 1 << 16
 
 
